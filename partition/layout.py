@@ -1,0 +1,210 @@
+"""On-disk layout of a partition set, and the one reader/writer for it.
+
+A partition set is a directory::
+
+    OUT/
+      metadata.json          versioned description (see PartitionSetMeta)
+      orig_to_new.npy        int64 [N]   original dataset node id -> global node id
+      part-0/
+        indptr.npy           int64 [n_0 + 1]  CSC over the part's owned nodes: the in-edges of
+                                              owned node i (local id) are indices[indptr[i]:indptr[i+1]]
+        indices.npy          int64 [e_0]      global id of each in-edge's source node (any part)
+        feat.npy             float32/float16/bfloat16-as-uint16 [n_0, D]  features of owned nodes
+        label.npy            int64 [n_0]      class of each owned node, -1 where unlabeled
+        orig_ids.npy         int64 [n_0]      original dataset id of each owned node
+        train.npy            int64 [t_0]      global ids of the part's training seeds (sorted)
+        valid.npy, test.npy  int64            same, for validation / test seeds
+      part-1/ ...
+
+Invariants (checked by tests/test_partition.py):
+
+* Global ids are a contiguous relabel: part p owns exactly the global ids
+  ``node_offsets[p] <= gid < node_offsets[p + 1]``; local id = ``gid - node_offsets[p]``.
+  The owner of any node is therefore ``searchsorted(node_offsets, gid, side="right") - 1``.
+* Every directed edge (u -> v) of the graph is stored exactly once, in the part that owns v.
+  Undirected datasets are stored with both directions.
+* Seeds (train/valid/test) are stored in the part that owns them.
+
+All arrays are plain ``.npy`` files so that servers open them with ``mmap_mode="r"``: a part
+is read from the page cache, once per node, however many processes load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_NAME = "mfgserve-partitions"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+PART_ARRAYS = ("indptr", "indices", "feat", "label", "orig_ids", "train", "valid", "test")
+SPLITS = ("train", "valid", "test")
+FEAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class PartitionFormatError(ValueError):
+    """A partition directory is missing, incomplete, or of another format version."""
+
+
+@dataclass
+class PartInfo:
+    """Sizes of one part, as recorded in metadata.json."""
+
+    id: int
+    dir: str
+    num_nodes: int
+    num_edges: int
+    num_train: int = 0
+    num_valid: int = 0
+    num_test: int = 0
+
+
+@dataclass
+class PartitionSetMeta:
+    """Contents of metadata.json. Counts are in nodes / directed edges."""
+
+    dataset: str
+    num_parts: int
+    num_nodes: int
+    num_edges: int
+    feat_dim: int
+    num_classes: int
+    node_offsets: list[int]
+    parts: list[PartInfo]
+    feat_dtype: str = "float32"
+    method: str = "metis"
+    halo_hops: int = 0
+    edge_cut: int = 0
+    seed: int = 0
+    stats: dict = field(default_factory=dict)
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    def owner_of(self, gids: np.ndarray) -> np.ndarray:
+        """Part id owning each global node id."""
+        return np.searchsorted(np.asarray(self.node_offsets), gids, side="right") - 1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike) -> PartitionSetMeta:
+        root = Path(root)
+        path = root / METADATA_FILE
+        if not root.is_dir():
+            raise PartitionFormatError(
+                f"partition directory {root} does not exist; create it with "
+                f"`partition-ogbn --dataset-dir DIR --num-parts N --out {root}`"
+            )
+        if not path.is_file():
+            raise PartitionFormatError(
+                f"{root} has no {METADATA_FILE}: it is not a partition set; create one with "
+                f"`partition-ogbn --dataset-dir DIR --num-parts N --out {root}`"
+            )
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PartitionFormatError(f"cannot read {path}: {e}; re-run partition-ogbn") from e
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise PartitionFormatError(
+                f"{path} is not an mfgserve partition set (format={raw.get('format')!r} "
+                f"if a dict); expected format {FORMAT_NAME!r}"
+            )
+        if raw.get("version") != FORMAT_VERSION:
+            raise PartitionFormatError(
+                f"{path} has layout version {raw.get('version')}, this mfgserve reads version "
+                f"{FORMAT_VERSION}; re-partition with this version of partition-ogbn"
+            )
+        try:
+            raw["parts"] = [PartInfo(**p) for p in raw["parts"]]
+            meta = cls(**raw)
+        except (TypeError, KeyError) as e:
+            raise PartitionFormatError(f"{path} is malformed: {e}; re-run partition-ogbn") from e
+        if len(meta.node_offsets) != meta.num_parts + 1 or len(meta.parts) != meta.num_parts:
+            raise PartitionFormatError(
+                f"{path}: node_offsets/parts do not match num_parts={meta.num_parts}"
+            )
+        return meta
+
+
+@dataclass
+class Partition:
+    """One part's arrays, memory-mapped read-only (see module docstring for meanings)."""
+
+    meta: PartitionSetMeta
+    part_id: int
+    indptr: np.ndarray
+    indices: np.ndarray
+    feat: np.ndarray
+    label: np.ndarray
+    orig_ids: np.ndarray
+    train: np.ndarray
+    valid: np.ndarray
+    test: np.ndarray
+
+    @property
+    def node_start(self) -> int:
+        return self.meta.node_offsets[self.part_id]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.meta.parts[self.part_id].num_nodes
+
+
+def load_partition(root: str | os.PathLike, part_id: int, mmap: bool = True) -> Partition:
+    """Open part ``part_id`` of the set at ``root``; arrays are mmaps unless ``mmap=False``."""
+    meta = PartitionSetMeta.load(root)
+    if not 0 <= part_id < meta.num_parts:
+        raise PartitionFormatError(
+            f"part {part_id} does not exist in {root}: it has parts 0..{meta.num_parts - 1}; "
+            "change --part-id"
+        )
+    pdir = Path(root) / meta.parts[part_id].dir
+    arrays = {}
+    for name in PART_ARRAYS:
+        f = pdir / f"{name}.npy"
+        if not f.is_file():
+            raise PartitionFormatError(
+                f"{f} is missing: part {part_id} of {root} is incomplete; re-run partition-ogbn"
+            )
+        arrays[name] = np.load(f, mmap_mode="r" if mmap else None)
+    info = meta.parts[part_id]
+    if arrays["indptr"].shape != (info.num_nodes + 1,) or arrays["feat"].shape[0] != info.num_nodes:
+        raise PartitionFormatError(
+            f"{pdir}: array sizes disagree with metadata.json (num_nodes={info.num_nodes}); "
+            "re-run partition-ogbn"
+        )
+    return Partition(meta=meta, part_id=part_id, **arrays)
+
+
+def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarray]) -> PartInfo:
+    """Write one part's arrays (all of PART_ARRAYS) under ``root/part-{part_id}``."""
+    missing = set(PART_ARRAYS) - set(arrays)
+    if missing:
+        raise ValueError(f"write_part: missing arrays {sorted(missing)}")
+    pdir = Path(root) / f"part-{part_id}"
+    pdir.mkdir(parents=True, exist_ok=True)
+    for name in PART_ARRAYS:
+        np.save(pdir / f"{name}.npy", np.ascontiguousarray(arrays[name]))
+    n = int(arrays["indptr"].shape[0] - 1)
+    return PartInfo(
+        id=part_id,
+        dir=pdir.name,
+        num_nodes=n,
+        num_edges=int(arrays["indices"].shape[0]),
+        num_train=int(arrays["train"].shape[0]),
+        num_valid=int(arrays["valid"].shape[0]),
+        num_test=int(arrays["test"].shape[0]),
+    )
+
+
+def write_metadata(root: str | os.PathLike, meta: PartitionSetMeta) -> None:
+    """Write metadata.json last and atomically: a set without it is never mistaken for complete."""
+    path = Path(root) / METADATA_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(meta.to_json())
+    os.replace(tmp, path)
