@@ -1,0 +1,32 @@
+"""Error types shared by every layer. Each message says what failed and what to change."""
+
+from __future__ import annotations
+
+
+class MfgServeError(Exception):
+    """Base class of mfgserve's own errors."""
+
+
+class ConfigError(MfgServeError, ValueError):
+    """A config file or command-line option is invalid."""
+
+
+class ProtocolError(MfgServeError):
+    """A message violates the wire protocol. ``code`` is a short machine-readable reason."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PeerTimeoutError(MfgServeError, TimeoutError):
+    """A peer did not answer within its deadline."""
+
+
+class RemoteError(MfgServeError):
+    """A peer answered with an error reply."""
+
+    def __init__(self, peer: str, code: str, message: str):
+        super().__init__(f"{peer} replied with error [{code}]: {message}")
+        self.peer = peer
+        self.code = code

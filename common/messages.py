@@ -1,0 +1,254 @@
+"""Typed wire messages: one small dataclass per message type, and the explicit type enum.
+
+Fields annotated ``Tensor`` or ``list[Tensor]`` travel as raw frames; every other field is a
+scalar in the msgpack header. The frame layout itself lives in :mod:`common.codec` only.
+Each class's :meth:`check` states the domain constraints a receiver relies on; the codec
+calls it on every decoded message, so handlers never see an ill-formed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from common.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_LAYERS = 8
+MAX_FANOUT = 100_000
+MAX_ID = 2**62  # node ids, part ids and counts are checked against this bound
+
+
+class MsgType(IntEnum):
+    """Every message type on the wire (one byte's worth); never renumber, only append."""
+
+    ERROR = 0
+    PING = 1
+    PONG = 2
+    SAMPLE = 3  # trainer -> server: seeds -> full MFG with features and labels
+    MFG = 4
+    NEIGHBORS_REQ = 5  # server -> server: sample in-neighbours of nodes the peer owns
+    NEIGHBORS = 6
+    NODE_DATA_REQ = 7  # server -> server: features / labels of nodes the peer owns
+    NODE_DATA = 8
+    SEEDS_REQ = 9  # trainer -> server: the train/valid/test seeds a part owns
+    SEEDS = 10
+    STATS_REQ = 11
+    STATS = 12
+    SHUTDOWN = 13
+    ACK = 14
+
+
+@dataclass
+class Message:
+    """Base of all messages. ``TYPE`` is the enum value; ``check`` validates semantics."""
+
+    TYPE: ClassVar[MsgType]
+
+    def check(self) -> None:  # overridden where there is something to check
+        return None
+
+
+def _need(cond: bool, code: str, msg: str) -> None:
+    if not cond:
+        raise ProtocolError(code, msg)
+
+
+def _check_ids(t: Tensor, name: str, upper: int | None = None) -> None:
+    _need(t.dtype == torch.int64 and t.dim() == 1, "bad_tensor",
+          f"{name} must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        bound = MAX_ID if upper is None else upper
+        _need(lo >= 0 and hi < bound, "id_out_of_range",
+              f"{name} holds ids in [{lo}, {hi}], outside [0, {bound})")
+
+
+def _check_fanouts(fanouts: list[int]) -> None:
+    _need(1 <= len(fanouts) <= MAX_LAYERS, "bad_fanouts",
+          f"fanouts must have 1..{MAX_LAYERS} entries, got {len(fanouts)}")
+    _need(all(f == -1 or 1 <= f <= MAX_FANOUT for f in fanouts), "bad_fanouts",
+          f"each fanout must be -1 or 1..{MAX_FANOUT}, got {fanouts}")
+
+
+@dataclass
+class ErrorReply(Message):
+    TYPE = MsgType.ERROR
+    code: str
+    message: str
+
+
+@dataclass
+class Ping(Message):
+    TYPE = MsgType.PING
+
+
+@dataclass
+class Pong(Message):
+    """Who the server is and the shape of the data it serves."""
+
+    TYPE = MsgType.PONG
+    part_id: int
+    num_parts: int
+    num_nodes: int
+    feat_dim: int
+    num_classes: int
+    node_offsets: list[int]
+    feat_dtype: str
+    dataset: str
+    pid: int
+    server_id: str
+
+
+@dataclass
+class SampleRequest(Message):
+    """Sample a full MFG for ``seeds`` (global ids). ``fanouts`` lists the input layer first."""
+
+    TYPE = MsgType.SAMPLE
+    seeds: Tensor
+    fanouts: list[int]
+    with_feat: bool = True
+    with_label: bool = True
+
+    def check(self) -> None:
+        _check_ids(self.seeds, "seeds")
+        _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
+        _check_fanouts(self.fanouts)
+
+
+@dataclass
+class MFGReply(Message):
+    """One sampled MFG. Layer l's source nodes are ``input_nodes[:num_src[l]]`` and its
+    destination nodes ``input_nodes[:num_dst[l]]`` (destination nodes first among sources);
+    ``indptr[l]`` / ``indices[l]`` are its CSC (indices are local source positions)."""
+
+    TYPE = MsgType.MFG
+    input_nodes: Tensor
+    num_src: list[int]
+    num_dst: list[int]
+    indptr: list[Tensor]
+    indices: list[Tensor]
+    feat: Tensor
+    label: Tensor
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def check(self) -> None:
+        n = len(self.num_src)
+        _need(n == len(self.num_dst) == len(self.indptr) == len(self.indices) and 1 <= n <= MAX_LAYERS,
+              "bad_mfg", "MFG layer lists differ in length")
+        _check_ids(self.input_nodes, "input_nodes")
+        _need(self.num_src[0] == self.input_nodes.numel(), "bad_mfg",
+              "input layer's num_src must equal len(input_nodes)")
+        for layer in range(n):
+            ns, nd = self.num_src[layer], self.num_dst[layer]
+            ip, ix = self.indptr[layer], self.indices[layer]
+            _need(0 <= nd <= ns <= self.input_nodes.numel(), "bad_mfg",
+                  f"layer {layer}: need 0 <= num_dst <= num_src <= len(input_nodes)")
+            _need(ip.dtype == torch.int64 and ip.shape == (nd + 1,), "bad_mfg",
+                  f"layer {layer}: indptr must be int64 of length num_dst+1")
+            _need(ix.dtype == torch.int64 and ix.dim() == 1, "bad_mfg",
+                  f"layer {layer}: indices must be 1-D int64")
+            _need(int(ip[0]) == 0 and int(ip[-1]) == ix.numel() and bool((ip[1:] >= ip[:-1]).all()),
+                  "bad_mfg", f"layer {layer}: indptr must rise from 0 to len(indices)")
+            if ix.numel():
+                _need(int(ix.min()) >= 0 and int(ix.max()) < ns, "bad_mfg",
+                      f"layer {layer}: indices outside [0, num_src)")
+            if layer + 1 < n:
+                _need(self.num_src[layer + 1] == nd, "bad_mfg",
+                      f"layer {layer + 1}'s sources must be layer {layer}'s destinations")
+
+
+@dataclass
+class NeighborsRequest(Message):
+    """Sample up to ``fanout`` in-neighbours of each of ``nodes`` (all owned by the receiver)."""
+
+    TYPE = MsgType.NEIGHBORS_REQ
+    nodes: Tensor
+    fanout: int
+
+    def check(self) -> None:
+        _check_ids(self.nodes, "nodes")
+        _check_fanouts([self.fanout])
+
+
+@dataclass
+class NeighborsReply(Message):
+    """``counts[i]`` sampled sources of ``nodes[i]``, concatenated in node order in ``src``."""
+
+    TYPE = MsgType.NEIGHBORS
+    counts: Tensor
+    src: Tensor
+
+    def check(self) -> None:
+        _check_ids(self.counts, "counts")
+        _check_ids(self.src, "src")
+        _need(int(self.counts.sum()) == self.src.numel(), "bad_tensor",
+              "sum(counts) must equal len(src)")
+
+
+@dataclass
+class NodeDataRequest(Message):
+    TYPE = MsgType.NODE_DATA_REQ
+    nodes: Tensor
+    with_feat: bool = True
+    with_label: bool = False
+
+    def check(self) -> None:
+        _check_ids(self.nodes, "nodes")
+
+
+@dataclass
+class NodeDataReply(Message):
+    TYPE = MsgType.NODE_DATA
+    feat: Tensor
+    label: Tensor
+
+
+@dataclass
+class SeedsRequest(Message):
+    TYPE = MsgType.SEEDS_REQ
+    split: str
+
+    def check(self) -> None:
+        _need(self.split in ("train", "valid", "test"), "bad_split",
+              f"split must be train, valid or test, got {self.split!r}")
+
+
+@dataclass
+class SeedsReply(Message):
+    TYPE = MsgType.SEEDS
+    seeds: Tensor
+
+
+@dataclass
+class StatsRequest(Message):
+    TYPE = MsgType.STATS_REQ
+
+
+@dataclass
+class StatsReply(Message):
+    TYPE = MsgType.STATS
+    values: dict[str, float]
+
+
+@dataclass
+class Shutdown(Message):
+    TYPE = MsgType.SHUTDOWN
+
+
+@dataclass
+class Ack(Message):
+    TYPE = MsgType.ACK
+
+
+MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (ErrorReply, Ping, Pong, SampleRequest, MFGReply, NeighborsRequest, NeighborsReply,
+                NodeDataRequest, NodeDataReply, SeedsRequest, SeedsReply, StatsRequest,
+                StatsReply, Shutdown, Ack)
+}
+assert set(MESSAGE_CLASSES) == set(MsgType), "every MsgType needs a message class"

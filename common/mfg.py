@@ -1,0 +1,146 @@
+"""The message-flow graph (MFG) type: DGL's "blocks" in plain torch, on any device.
+
+An :class:`MFG` is a list of :class:`Block` s, input layer first. Invariants (checked by the
+codec on receipt and by tests against DGL):
+
+* Block l has ``num_dst_nodes() <= num_src_nodes()`` and its destination nodes are the first
+  ``num_dst_nodes()`` of its source nodes (DGL's block convention).
+* Block l+1's source nodes are exactly block l's destination nodes.
+* All node id lists are prefixes of ``input_nodes``: block l's sources are
+  ``input_nodes[:num_src[l]]``, its destinations ``input_nodes[:num_dst[l]]``;
+  ``output_nodes`` (the seeds) are the last block's destinations.
+* Edges are stored as CSC: the sampled in-edges of destination i are
+  ``indices[indptr[i]:indptr[i+1]]`` (local source positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
+
+
+class Block:
+    """One layer of an MFG: a bipartite CSC graph from source to destination nodes."""
+
+    def __init__(self, indptr: Tensor, indices: Tensor, num_src: int, num_dst: int):
+        self.indptr = indptr
+        self.indices = indices
+        self._num_src = int(num_src)
+        self._num_dst = int(num_dst)
+        self.srcdata: dict[str, Tensor] = {}
+        self.dstdata: dict[str, Tensor] = {}
+        self._dst_index: Tensor | None = None
+
+    def num_src_nodes(self) -> int:
+        return self._num_src
+
+    def num_dst_nodes(self) -> int:
+        return self._num_dst
+
+    def num_edges(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def in_degrees(self) -> Tensor:
+        return self.indptr[1:] - self.indptr[:-1]
+
+    def dst_index(self) -> Tensor:
+        """Destination position of every edge (CSC expanded), cached per device."""
+        if self._dst_index is None or self._dst_index.device != self.indices.device:
+            self._dst_index = torch.repeat_interleave(
+                torch.arange(self._num_dst, device=self.indptr.device), self.in_degrees(),
+                output_size=self.num_edges())
+        return self._dst_index
+
+    def edges(self) -> tuple[Tensor, Tensor]:
+        """(source positions, destination positions) of every edge."""
+        return self.indices, self.dst_index()
+
+    def _apply(self, fn) -> Block:
+        out = Block(fn(self.indptr), fn(self.indices), self._num_src, self._num_dst)
+        out.srcdata = {k: fn(v) for k, v in self.srcdata.items()}
+        out.dstdata = {k: fn(v) for k, v in self.dstdata.items()}
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Block:
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Block:
+        return self._apply(lambda t: t.pin_memory())
+
+    def to_dgl(self):
+        """This block as a DGL block (``dgl.create_block``), with srcdata/dstdata copied."""
+        from common.dgl_compat import import_dgl
+
+        dgl = import_dgl()
+        empty = torch.empty(0, dtype=torch.int64, device=self.indices.device)
+        blk = dgl.create_block(("csc", (self.indptr, self.indices, empty)),
+                               num_src_nodes=self._num_src, num_dst_nodes=self._num_dst)
+        for k, v in self.srcdata.items():
+            blk.srcdata[k] = v
+        for k, v in self.dstdata.items():
+            blk.dstdata[k] = v
+        return blk
+
+    def __repr__(self) -> str:
+        return (f"Block(num_src_nodes={self._num_src}, num_dst_nodes={self._num_dst}, "
+                f"num_edges={self.num_edges()})")
+
+
+class MFG(Sequence[Block]):
+    """The blocks of one mini-batch (input layer first) plus its node id lists."""
+
+    def __init__(self, blocks: list[Block], input_nodes: Tensor, output_nodes: Tensor):
+        self.blocks = blocks
+        self.input_nodes = input_nodes
+        self.output_nodes = output_nodes
+
+    @classmethod
+    def from_csc(cls, input_nodes: Tensor, num_src: Sequence[int], num_dst: Sequence[int],
+                 indptr: Sequence[Tensor], indices: Sequence[Tensor]) -> MFG:
+        """Build blocks from per-layer CSC arrays; sets srcdata/dstdata[NID] as prefixes."""
+        blocks = []
+        for ns, nd, ip, ix in zip(num_src, num_dst, indptr, indices):
+            b = Block(ip, ix, ns, nd)
+            b.srcdata[NID] = input_nodes[:ns]
+            b.dstdata[NID] = input_nodes[:nd]
+            blocks.append(b)
+        return cls(blocks, input_nodes, input_nodes[: num_dst[-1]])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.blocks[i]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.blocks)
+
+    def _apply(self, fn) -> MFG:
+        return MFG([fn(b) for b in self.blocks], self.input_nodes, self.output_nodes)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MFG:
+        out = self._apply(lambda b: b.to(device, non_blocking))
+        out.input_nodes = self.input_nodes.to(device, non_blocking=non_blocking)
+        out.output_nodes = self.output_nodes.to(device, non_blocking=non_blocking)
+        return out
+
+    def pin_memory(self) -> MFG:
+        out = self._apply(lambda b: b.pin_memory())
+        out.input_nodes = self.input_nodes.pin_memory()
+        out.output_nodes = self.output_nodes.pin_memory()
+        return out
+
+    def to_dgl(self) -> list:
+        """The blocks as a list of DGL blocks, usable with dgl.nn modules."""
+        return [b.to_dgl() for b in self.blocks]
+
+    def __repr__(self) -> str:
+        return f"MFG({self.blocks}, input_nodes={self.input_nodes.numel()})"

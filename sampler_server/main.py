@@ -1,0 +1,60 @@
+"""``sampler-server``: serve one partition of a partition set over ZeroMQ.
+
+Example::
+
+    sampler-server --parts parts/ --part-id 0 --bind tcp://0.0.0.0:15550 --cluster cluster.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+from common.config import ServerConfig, add_config_args, load_config
+from common.errors import MfgServeError
+from partition.layout import PartitionFormatError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sampler-server",
+        description="Load one graph partition and serve sampled message-flow graphs (MFGs), "
+                    "input features and seed labels to trainer clients over ZeroMQ.",
+    )
+    p.add_argument("--config", help="YAML file with server options (command-line options "
+                   "override it)")
+    add_config_args(p, ServerConfig)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        cfg = load_config(ServerConfig, args.config, args)
+        from sampler_server.server import SamplerServer  # heavy imports after arg checks
+
+        server = SamplerServer(cfg)
+    except (MfgServeError, PartitionFormatError, OSError) as e:
+        print(f"sampler-server: error: {e}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum, _frame):
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    m = server.store.meta
+    print(json.dumps({"event": "serving", "endpoint": server.endpoint, "part_id": cfg.part_id,
+                      "num_parts": m.num_parts, "part_nodes": server.store.end - server.store.start,
+                      "dataset": m.dataset}), file=sys.stderr, flush=True)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

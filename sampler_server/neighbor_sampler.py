@@ -1,0 +1,169 @@
+"""Multi-hop MFG sampling over a partitioned graph (domain logic, no networking).
+
+:class:`DistributedNeighbors` answers "sample in-neighbours of these nodes" for nodes of any
+partition: owned nodes go to the local :class:`PartitionStore`, the rest to a :class:`Peers`
+object (implemented over the wire by the server process). :func:`sample_mfg` builds the MFG
+hop by hop from the seeds outwards, so a trainer gets the same MFG it would get from one server
+holding the whole graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from sampler_server.partition_store import PartitionStore
+
+
+class Peers(Protocol):
+    """Requests to the servers of other partitions; each call sends all, then waits for all."""
+
+    def sample_neighbors(self, requests: dict[int, Tensor], fanout: int
+                         ) -> dict[int, tuple[Tensor, Tensor]]: ...
+
+    def gather(self, requests: dict[int, Tensor], with_feat: bool, with_label: bool
+               ) -> dict[int, tuple[Tensor, Tensor]]: ...
+
+
+@dataclass
+class Timings:
+    """Seconds spent per stage while serving one request."""
+
+    sample_s: float = 0.0
+    gather_s: float = 0.0
+    remote_s: float = 0.0
+    remote_requests: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def relabel(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """Compact ids: returns ``(nodes, src_local)`` where ``nodes`` lists ``dst`` first (in
+    order, assumed unique) followed by the new ids of ``src`` in first-appearance order, and
+    ``src_local[i]`` is the position of ``src[i]`` in ``nodes``."""
+    both = torch.cat([dst, src])
+    uniq, inv = torch.unique(both, return_inverse=True)
+    first = torch.full((uniq.numel(),), both.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inv, torch.arange(both.numel()), reduce="amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return uniq[order], rank[inv[dst.numel():]]
+
+
+class DistributedNeighbors:
+    def __init__(self, store: PartitionStore, peers: Peers | None, timings: Timings):
+        self.store = store
+        self.peers = peers
+        self.timings = timings
+
+    def _split(self, nodes: Tensor) -> dict[int, Tensor]:
+        """Positions of ``nodes`` grouped by owning part."""
+        owners = self.store.owner_of(nodes)
+        parts = torch.unique(owners).tolist()
+        return {p: torch.nonzero(owners == p).flatten() for p in parts}
+
+    def _remote(self, groups: dict[int, Tensor], nodes: Tensor) -> dict[int, Tensor]:
+        remote = {p: nodes[pos] for p, pos in groups.items() if p != self.store.part_id}
+        if remote and self.peers is None:
+            raise RuntimeError(
+                f"nodes of parts {sorted(remote)} are needed but this server (part "
+                f"{self.store.part_id}) has no cluster file to reach their servers; "
+                "start it with --cluster")
+        return remote
+
+    def sample(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
+        """(counts, src) for unique ``nodes`` of any part, in the order of ``nodes``."""
+        groups = self._split(nodes)
+        remote = self._remote(groups, nodes)
+        results: dict[int, tuple[Tensor, Tensor]] = {}
+        if remote:
+            t0 = time.perf_counter()
+            results.update(self.peers.sample_neighbors(remote, fanout))  # type: ignore[union-attr]
+            self.timings.remote_s += time.perf_counter() - t0
+            self.timings.remote_requests += len(remote)
+        own = groups.get(self.store.part_id)
+        if own is not None:
+            t0 = time.perf_counter()
+            results[self.store.part_id] = self.store.sample_neighbors(nodes[own], fanout)
+            self.timings.sample_s += time.perf_counter() - t0
+        if len(groups) == 1:
+            return results[next(iter(groups))]
+        counts = torch.zeros(nodes.numel(), dtype=torch.int64)
+        positions, sources = [], []
+        for p, pos in groups.items():
+            c, s = results[p]
+            counts[pos] = c
+            positions.append(torch.repeat_interleave(pos, c))
+            sources.append(s)
+        edge_pos = torch.cat(positions)
+        perm = torch.argsort(edge_pos, stable=True)
+        return counts, torch.cat(sources)[perm]
+
+    def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
+        """Features / labels of ``nodes`` of any part, rows in the order of ``nodes``."""
+        groups = self._split(nodes)
+        remote = self._remote(groups, nodes)
+        results: dict[int, tuple[Tensor, Tensor]] = {}
+        if remote:
+            t0 = time.perf_counter()
+            results.update(self.peers.gather(remote, with_feat, with_label))  # type: ignore[union-attr]
+            self.timings.remote_s += time.perf_counter() - t0
+            self.timings.remote_requests += len(remote)
+        own = groups.get(self.store.part_id)
+        t0 = time.perf_counter()
+        if own is not None:
+            results[self.store.part_id] = self.store.gather(nodes[own], with_feat, with_label)
+        if len(groups) == 1:
+            out = results[next(iter(groups))]
+        else:
+            feat_dim = self.store.feat.shape[1]
+            feat = torch.empty((nodes.numel() if with_feat else 0, feat_dim),
+                               dtype=self.store.feat.dtype)
+            label = torch.empty(nodes.numel() if with_label else 0, dtype=torch.int64)
+            for p, pos in groups.items():
+                f, lab = results[p]
+                if with_feat:
+                    feat[pos] = f
+                if with_label:
+                    label[pos] = lab
+            out = (feat, label)
+        self.timings.gather_s += time.perf_counter() - t0
+        return out
+
+
+@dataclass
+class SampledMFG:
+    """Per-layer CSC (input layer first) plus node ids; see common.mfg for the invariants."""
+
+    input_nodes: Tensor
+    num_src: list[int]
+    num_dst: list[int]
+    indptr: list[Tensor]
+    indices: list[Tensor]
+
+
+def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbors) -> SampledMFG:
+    """Sample an MFG for unique ``seeds``; ``fanouts[0]`` is the input layer's fanout."""
+    nodes = seeds
+    layers = []
+    for fanout in reversed(fanouts):
+        counts, src = neighbors.sample(nodes, fanout)
+        t0 = time.perf_counter()
+        all_nodes, src_local = relabel(nodes, src)
+        indptr = torch.zeros(nodes.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        layers.append((all_nodes.numel(), nodes.numel(), indptr, src_local))
+        neighbors.timings.sample_s += time.perf_counter() - t0
+        nodes = all_nodes
+    layers.reverse()
+    return SampledMFG(
+        input_nodes=nodes,
+        num_src=[x[0] for x in layers],
+        num_dst=[x[1] for x in layers],
+        indptr=[x[2] for x in layers],
+        indices=[x[3] for x in layers],
+    )

@@ -1,0 +1,261 @@
+"""The sampler server process: one ROUTER socket, an IO loop, and sampling threads.
+
+Threads and sockets::
+
+    trainers / peers --> ROUTER (IO thread) --SAMPLE jobs--> bounded queue --> sampler threads
+                               ^                                                 |
+                               +------ PULL (inproc) <------ PUSH (per thread) --+
+
+The IO thread answers cheap, local-only requests inline (PING, NEIGHBORS_REQ, NODE_DATA_REQ,
+SEEDS_REQ, STATS_REQ, SHUTDOWN) so that a peer's request is never stuck behind a full-MFG job
+that itself waits on that peer: two servers sampling across each other cannot deadlock.
+SAMPLE requests go to the sampler threads through a bounded queue; when it is full the client
+gets a ``busy`` error reply (its credits should prevent that). Every malformed message gets an
+``ERROR`` reply and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+import zmq
+
+from common import codec
+from common.cluster import ClusterSpec
+from common.config import ServerConfig
+from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, RemoteError
+from common.messages import (
+    Ack,
+    ErrorReply,
+    Message,
+    MFGReply,
+    NeighborsReply,
+    NeighborsRequest,
+    NodeDataReply,
+    NodeDataRequest,
+    Ping,
+    Pong,
+    SampleRequest,
+    SeedsReply,
+    SeedsRequest,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
+from common.sockets import bound_endpoint, make_socket
+from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
+from sampler_server.partition_store import PartitionStore
+from sampler_server.peer_client import WirePeers
+
+log = logging.getLogger("mfgserve.server")
+
+
+class SamplerServer:
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.max_bytes = cfg.max_message_mb << 20
+        self.store = PartitionStore(cfg.parts, cfg.part_id, seed=cfg.seed)
+        self.cluster = ClusterSpec.load(cfg.cluster) if cfg.cluster else None
+        if self.cluster and self.cluster.num_parts != self.store.meta.num_parts:
+            raise MfgServeError(
+                f"cluster file {cfg.cluster} lists {self.cluster.num_parts} parts but the "
+                f"partition set {cfg.parts} has {self.store.meta.num_parts}; fix the cluster file")
+        self.server_id = uuid.uuid4().hex[:8]
+        self.ctx = zmq.Context()
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, cfg.bind, bind=True, hwm=10000,
+                                    max_message_bytes=self.max_bytes)
+        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.endpoint = bound_endpoint(self.frontend)
+        self.results_ep = f"inproc://results-{self.server_id}"
+        self.results = make_socket(self.ctx, zmq.PULL, self.results_ep, bind=True, hwm=0)
+        self.jobs: queue.Queue = queue.Queue(maxsize=cfg.max_queue)
+        self.stop_event = threading.Event()
+        self.stats: dict[str, float] = {
+            "requests": 0, "sample_requests": 0, "errors": 0, "busy": 0, "bytes_out": 0,
+            "sample_s": 0.0, "gather_s": 0.0, "remote_s": 0.0, "encode_s": 0.0,
+            "remote_requests": 0, "seeds_served": 0,
+        }
+        self.stats_lock = threading.Lock()
+        self.workers = [threading.Thread(target=self._worker, args=(i,), daemon=True,
+                                         name=f"sampler-{i}") for i in range(cfg.num_workers)]
+
+    # ------------------------------------------------------------------ IO thread
+    def serve_forever(self) -> None:
+        for w in self.workers:
+            w.start()
+        if self.cfg.ready_file:
+            tmp = self.cfg.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(self.endpoint)
+            os.replace(tmp, self.cfg.ready_file)
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.results, zmq.POLLIN)
+        try:
+            while not self.stop_event.is_set():
+                events = dict(poller.poll(200))
+                if self.results in events:
+                    self._drain_results()
+                if self.frontend in events:
+                    for _ in range(64):  # bounded burst, then look at results again
+                        try:
+                            frames = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+        finally:
+            self.close()
+
+    def _drain_results(self) -> None:
+        while True:
+            try:
+                frames = self.results.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.frontend.send_multipart(frames, copy=False)
+
+    def _reply(self, ident: Any, msg: Message, rid: int) -> None:
+        frames = codec.encode(msg, rid)
+        self.stats["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
+        self.frontend.send_multipart([ident, *frames], copy=False)
+
+    def _error(self, ident: Any, rid: int, code: str, message: str) -> None:
+        with self.stats_lock:
+            self.stats["errors"] += 1
+        log.warning("part %d: error reply [%s]: %s", self.cfg.part_id, code, message)
+        self._reply(ident, ErrorReply(code=code, message=message), rid)
+
+    def _handle(self, frames: list) -> None:
+        self.stats["requests"] += 1
+        if len(frames) < 2:
+            return  # no envelope to answer: nothing to do
+        ident, body = frames[0], frames[1:]
+        rid = codec.peek_request_id(body[0])
+        try:
+            msg, rid = codec.decode(body, self.max_bytes)
+            self._dispatch(ident, msg, rid)
+        except ProtocolError as e:
+            self._error(ident, rid, e.code, str(e))
+        except (ValueError, RuntimeError, MfgServeError) as e:
+            self._error(ident, rid, "bad_request", str(e))
+        except Exception as e:  # a bug must not take the server down for everyone else
+            log.exception("part %d: internal error", self.cfg.part_id)
+            self._error(ident, rid, "internal", f"{type(e).__name__}: {e}")
+
+    def _dispatch(self, ident: Any, msg: Message, rid: int) -> None:
+        store = self.store
+        if isinstance(msg, SampleRequest):
+            try:
+                self.jobs.put_nowait((ident, msg, rid, time.perf_counter()))
+            except queue.Full:
+                self.stats["busy"] += 1
+                self._error(ident, rid, "busy",
+                            f"part {self.cfg.part_id} has {self.cfg.max_queue} sample requests "
+                            "queued; lower the trainers' --max-inflight or raise --max-queue")
+        elif isinstance(msg, NeighborsRequest):
+            counts, src = store.sample_neighbors(msg.nodes, msg.fanout)
+            self._reply(ident, NeighborsReply(counts=counts, src=src), rid)
+        elif isinstance(msg, NodeDataRequest):
+            feat, label = store.gather(msg.nodes, msg.with_feat, msg.with_label)
+            self._reply(ident, NodeDataReply(feat=feat, label=label), rid)
+        elif isinstance(msg, Ping):
+            m = store.meta
+            self._reply(ident, Pong(
+                part_id=self.cfg.part_id, num_parts=m.num_parts, num_nodes=m.num_nodes,
+                feat_dim=m.feat_dim, num_classes=m.num_classes, node_offsets=m.node_offsets,
+                feat_dtype=str(store.feat.dtype).replace("torch.", ""), dataset=m.dataset,
+                pid=os.getpid(), server_id=self.server_id), rid)
+        elif isinstance(msg, SeedsRequest):
+            self._reply(ident, SeedsReply(seeds=store.seeds(msg.split)), rid)
+        elif isinstance(msg, StatsRequest):
+            with self.stats_lock:
+                values = dict(self.stats)
+            values["queue_len"] = self.jobs.qsize()
+            self._reply(ident, StatsReply(values=values), rid)
+        elif isinstance(msg, Shutdown):
+            self._reply(ident, Ack(), rid)
+            self.stop_event.set()
+        else:
+            raise ProtocolError("unexpected_type",
+                                f"a server does not accept {type(msg).__name__} messages")
+
+    # ------------------------------------------------------------------ sampler threads
+    def _worker(self, index: int) -> None:
+        push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
+        peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id, self.cfg.peer_timeout_s,
+                           self.max_bytes) if self.cluster else None)
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    ident, msg, rid, t_in = self.jobs.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                frames = self._serve_sample(msg, rid, peers, t_in, time.perf_counter() - t_in)
+                push.send_multipart([ident, *frames], copy=False)
+        finally:
+            if peers:
+                peers.close()
+            push.close(0)
+
+    def _serve_sample(self, msg: SampleRequest, rid: int, peers: WirePeers | None,
+                      t_in: float, queue_s: float) -> list:
+        timings = Timings()
+        try:
+            if torch.unique(msg.seeds).numel() != msg.seeds.numel():
+                raise ProtocolError("bad_tensor", "seeds must be unique")
+            neighbors = DistributedNeighbors(self.store, peers, timings)
+            mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
+            feat, _ = neighbors.gather(mfg.input_nodes, msg.with_feat, False)
+            _, label = neighbors.gather(msg.seeds, False, msg.with_label)
+            t0 = time.perf_counter()
+            reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
+                             num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
+                             feat=feat, label=label, timings={})
+            reply.timings = {"sample_s": timings.sample_s, "gather_s": timings.gather_s,
+                             "remote_s": timings.remote_s,
+                             "queue_s": queue_s, "server_s": time.perf_counter() - t_in}
+            frames = codec.encode(reply, rid)
+            encode_s = time.perf_counter() - t0
+            with self.stats_lock:
+                s = self.stats
+                s["sample_requests"] += 1
+                s["seeds_served"] += msg.seeds.numel()
+                s["sample_s"] += timings.sample_s
+                s["gather_s"] += timings.gather_s
+                s["remote_s"] += timings.remote_s
+                s["remote_requests"] += timings.remote_requests
+                s["encode_s"] += encode_s
+                s["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
+            return frames
+        except ProtocolError as e:
+            code, text = e.code, str(e)
+        except PeerTimeoutError as e:
+            code, text = "peer_timeout", str(e)
+        except RemoteError as e:
+            code, text = "peer_error", str(e)
+        except Exception as e:
+            log.exception("part %d: sampling failed", self.cfg.part_id)
+            code, text = "internal", f"{type(e).__name__}: {e}"
+        with self.stats_lock:
+            self.stats["errors"] += 1
+        return codec.encode(ErrorReply(code=code, message=text), rid)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for w in self.workers:
+            if w.is_alive() and w is not threading.current_thread():
+                w.join(timeout=self.cfg.peer_timeout_s + 1)
+        self.frontend.close(0)
+        self.results.close(0)
+        if not any(w.is_alive() for w in self.workers):
+            self.ctx.term()  # else a thread still holds a socket; process exit reclaims it

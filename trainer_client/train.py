@@ -1,0 +1,188 @@
+"""One trainer process: DDP over the servers' mini-batches, evaluation, and the JSON summary.
+
+The summary (a dict; rank 0 prints it as one JSON line) reports accuracy (``test_acc`` at the
+epoch of best ``valid_acc``), throughput (``seeds_per_s`` over all ranks' training time) and
+per-stage seconds summed over the run (``stages``: server sample / gather / remote / encode,
+trainer wait / decode-to-MFG / host-to-device / forward-backward).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.cluster import ClusterSpec
+from common.config import TrainerConfig, to_dict
+from trainer_client.loader import DistNodeDataLoader
+from trainer_client.model import GraphSAGE
+from trainer_client.server_pool import ServerPool
+
+log = logging.getLogger("mfgserve.trainer")
+
+
+@dataclass
+class DDPSetup:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout_s: float = 300.0
+
+
+def _device(cfg: TrainerConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; "
+                               "use --device cpu or auto")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _progress(iterable, enabled: bool, **kw):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, leave=False, dynamic_ncols=True, **kw)
+
+
+def _all_sum(values: list[float], ddp: DDPSetup, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if ddp.world_size > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(model, loader: DistNodeDataLoader, ddp: DDPSetup, device, progress: bool,
+             desc: str) -> float:
+    model.eval()
+    correct = total = 0
+    for _, _, mfg in _progress(loader, progress, desc=desc):
+        logits = model(mfg, mfg[0].srcdata["feat"].float())
+        labels = mfg[-1].dstdata["label"]
+        correct += int((logits.argmax(1) == labels).sum())
+        total += labels.numel()
+    c, t = _all_sum([correct, total], ddp, device)
+    return c / max(t, 1.0)
+
+
+def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
+    """Train and evaluate; returns the summary dict (identical on every rank)."""
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    device = _device(cfg, ddp.local_rank)
+    if ddp.world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{ddp.master_addr}:{ddp.master_port}", rank=ddp.rank,
+            world_size=ddp.world_size, timeout=timedelta(seconds=ddp.timeout_s))
+    show = cfg.progress and ddp.rank == 0
+    pool = ServerPool(ClusterSpec.load(cfg.cluster), timeout_s=cfg.request_timeout_s,
+                      max_message_bytes=cfg.max_message_mb << 20)
+    try:
+        info = pool.info()
+        splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
+        model = GraphSAGE(info.feat_dim, cfg.hidden, info.num_classes, len(cfg.fanouts),
+                          cfg.dropout).to(device)
+        net = DDP(model) if ddp.world_size > 1 else model
+        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
+                      max_inflight=cfg.max_inflight, device=device)
+        train_loader = DistNodeDataLoader(pool, splits["train"], info.node_offsets,
+                                          fanouts=cfg.fanouts, batch_size=cfg.batch_size,
+                                          shuffle=True, **common)
+        eval_fanouts = cfg.eval_fanouts or cfg.fanouts
+        eval_loaders = {s: DistNodeDataLoader(pool, splits[s], info.node_offsets,
+                                              fanouts=eval_fanouts, batch_size=cfg.batch_size,
+                                              shuffle=False, **common)
+                        for s in ("valid", "test") if splits[s].numel() >= ddp.world_size}
+        compute_s = train_s = 0.0
+        best = {"valid_acc": -1.0, "test_acc": 0.0, "epoch": -1}
+        history = []
+        for epoch in range(cfg.epochs):
+            net.train()
+            train_loader.set_epoch(epoch)
+            t_epoch = time.perf_counter()
+            loss_sum = 0.0
+            batches = 0
+            for _, _, mfg in _progress(train_loader, show, desc=f"epoch {epoch}"):
+                t0 = time.perf_counter()
+                logits = net(mfg, mfg[0].srcdata["feat"].float())
+                loss = F.cross_entropy(logits, mfg[-1].dstdata["label"])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                loss_sum += float(loss.detach())
+                batches += 1
+                compute_s += time.perf_counter() - t0
+            train_s += time.perf_counter() - t_epoch
+            record = {"epoch": epoch, "loss": loss_sum / max(batches, 1)}
+            last = epoch == cfg.epochs - 1
+            if last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0):
+                for split, loader in eval_loaders.items():
+                    record[f"{split}_acc"] = evaluate(model, loader, ddp, device, show, split)
+                if record.get("valid_acc", 0.0) > best["valid_acc"]:
+                    best = {"valid_acc": record.get("valid_acc", 0.0),
+                            "test_acc": record.get("test_acc", 0.0), "epoch": epoch}
+            history.append(record)
+            if ddp.rank == 0:
+                log.info("epoch %s", json.dumps(record))
+        st = train_loader.stats
+        totals = _all_sum([st.seeds, train_s], ddp, device)
+        seeds_total, train_s_sum = totals
+        mean_train_s = train_s_sum / ddp.world_size
+        stage_names = ["sample_s", "gather_s", "remote_s", "queue_s", "server_s"]
+        stage_vals = _all_sum([st.server.get(k, 0.0) for k in stage_names]
+                              + [st.wait_s, st.h2d_s, compute_s], ddp, device)
+        stages = dict(zip(["server_sample_s", "server_gather_s", "server_remote_s",
+                           "server_queue_s", "server_total_s", "trainer_wait_s", "h2d_s",
+                           "forward_backward_s"], [round(v, 4) for v in stage_vals]))
+        pool.close()
+        bytes_rx = _all_sum([pool.bytes_received], ddp, device)[0]
+        summary = {
+            "test_acc": round(best["test_acc"], 4),
+            "valid_acc": round(best["valid_acc"], 4),
+            "best_epoch": best["epoch"],
+            "epochs": cfg.epochs,
+            "seeds_per_s": round(seeds_total / max(mean_train_s, 1e-9), 1),
+            "train_s": round(mean_train_s, 3),
+            "wall_s": round(time.perf_counter() - t_start, 3),
+            "num_trainers": ddp.world_size,
+            "num_parts": info.num_parts,
+            "dataset": info.dataset,
+            "batches_per_epoch_per_trainer": len(train_loader),
+            "bytes_received": int(bytes_rx),
+            "device": str(device),
+            "stages_s": stages,
+            "final_loss": round(history[-1]["loss"], 4) if history else None,
+            "config": {k: v for k, v in to_dict(cfg).items()
+                       if k in ("fanouts", "batch_size", "hidden", "lr", "dropout")},
+        }
+        return summary
+    finally:
+        try:
+            pool.close()
+        except Exception:
+            pass
+        if ddp.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def write_summary(summary: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f)
+    os.replace(tmp, path)
