@@ -1,0 +1,121 @@
+"""Child processes owned by a launcher: started so they die with it, watched, torn down.
+
+* Children run in their own session (a terminal's Ctrl-C reaches only the launcher, which
+  then shuts them down in order) and get ``PR_SET_PDEATHSIG=SIGKILL``: if the launcher itself
+  is killed, the kernel kills them too.
+* :meth:`ProcessGroup.teardown` escalates: the caller's polite request (e.g. a SHUTDOWN
+  message), then SIGTERM, then SIGKILL, all under one deadline, and records how far it went.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from threading import Thread
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass  # not Linux: teardown still kills children on every normal exit path
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (bound with port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    tail: deque = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def last_lines(self) -> str:
+        return "\n".join(self.tail)
+
+
+class ProcessGroup:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.escalation = "none"
+
+    def spawn(self, name: str, argv: list[str], *, stdout=None) -> Child:
+        """Start a child; its stderr is echoed to ours and the last lines kept for errors."""
+        proc = subprocess.Popen(argv, stdout=stdout if stdout is not None else sys.stderr,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        child = Child(name, proc)
+
+        def pump() -> None:
+            assert proc.stderr is not None
+            for raw in iter(proc.stderr.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                child.tail.append(line)
+                print(f"[{name}] {line}", file=sys.stderr, flush=True)
+            proc.stderr.close()
+
+        Thread(target=pump, daemon=True, name=f"stderr-{name}").start()
+        self.children.append(child)
+        return child
+
+    def failed(self) -> Child | None:
+        """The first child that exited with a non-zero code, if any."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None and code != 0:
+                return c
+        return None
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is None]
+
+    def wait_all(self, children: list[Child], deadline: float) -> bool:
+        for c in children:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                c.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def teardown(self, timeout_s: float, polite=None) -> None:
+        """Stop every child within ``timeout_s``: ``polite()`` first, then SIGTERM, SIGKILL."""
+        deadline = time.monotonic() + timeout_s
+        if polite is not None and self.alive():
+            try:
+                polite()
+            except Exception:
+                pass
+            if self.wait_all(self.alive(), time.monotonic() + timeout_s / 2):
+                self.escalation = "polite"
+        if self.alive():
+            self.escalation = "sigterm"
+            for c in self.alive():
+                c.proc.send_signal(signal.SIGTERM)
+            self.wait_all(self.alive(), deadline)
+        if self.alive():
+            self.escalation = "sigkill"
+            for c in self.alive():
+                c.proc.kill()
+            self.wait_all(self.alive(), time.monotonic() + 5)
+        for c in self.children:
+            c.proc.poll()

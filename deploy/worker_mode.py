@@ -1,0 +1,279 @@
+"""``worker-mode``: servers for every partition plus T trainers on this node, one command.
+
+Steps: resolve the partition set (``--parts``; or partition ``--dataset-dir`` on the fly; or
+generate the default synthetic graph), start ``servers_per_part`` sampler servers per part on
+``ipc://`` endpoints in a private run directory, wait until each answers a ping, start the
+trainers (DDP over a free loopback port), wait for them, shut the servers down, and print the
+trainers' JSON summary (plus launcher fields) as the last stdout line.
+
+Owns its process tree: children die with the launcher (PDEATHSIG), any child failing stops
+the whole group with a non-zero exit naming it, SIGINT/SIGTERM shut down within
+``--shutdown-timeout-s`` and then kill, and the run directory (sockets, cluster file) is
+removed on every exit path. Exit codes: 0 ok, 1 a child failed, 2 bad input, 130/143 signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from common.cluster import ClusterSpec
+from common.config import WorkerModeConfig, add_config_args, load_config, to_dict
+from common.errors import MfgServeError
+from common.messages import Ping, Shutdown
+from common.rpc import RpcChannel
+from deploy.processes import ProcessGroup, free_tcp_port
+from partition.layout import PartitionFormatError, PartitionSetMeta
+
+
+class LaunchError(MfgServeError):
+    """A child failed or never became ready; the message names it."""
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="worker-mode",
+        description="Run sampler servers for every partition and DDP trainers on this node, "
+                    "train GraphSAGE, and print a JSON summary as the last stdout line. With "
+                    "neither --parts nor --dataset-dir, a synthetic graph is generated and "
+                    "partitioned (cached under --work-dir).")
+    p.add_argument("--config", help="YAML file with worker-mode options; nested 'trainer:' and "
+                   "'server:' sections hold trainer and server options. Command-line options "
+                   "override it.")
+    add_config_args(p, WorkerModeConfig)
+    return p
+
+
+def _cache_dir(cfg: WorkerModeConfig, label: str) -> Path:
+    return Path(cfg.work_dir) / f"{label}-{cfg.num_parts}parts"
+
+
+def _cached(out: Path, num_parts: int) -> bool:
+    try:
+        return PartitionSetMeta.load(out).num_parts == num_parts
+    except PartitionFormatError:
+        return False
+
+
+def prepare_parts(cfg: WorkerModeConfig) -> str:
+    """Path of the partition set to serve, partitioning or generating it if needed."""
+    if cfg.parts:
+        PartitionSetMeta.load(cfg.parts)  # clear error now, not in every server
+        return cfg.parts
+    from partition.partitioner import partition_graph
+
+    if cfg.dataset_dir:
+        src = Path(cfg.dataset_dir).resolve()
+        tag = hashlib.sha1(str(src).encode()).hexdigest()[:8]
+        out = _cache_dir(cfg, f"{src.name}-{tag}")
+        if not _cached(out, cfg.num_parts):
+            from partition.ogbn import load_ogb
+
+            print(f"worker-mode: partitioning {src} into {cfg.num_parts} parts -> {out}",
+                  file=sys.stderr)
+            data = load_ogb(name=None, root=None, dataset_dir=str(src))
+            _partition_into(out, lambda tmp: partition_graph(data, cfg.num_parts, str(tmp)))
+        return str(out)
+    out = _cache_dir(cfg, f"synthetic-{cfg.synthetic_nodes}")
+    if not _cached(out, cfg.num_parts):
+        from partition.synthetic import generate
+
+        print(f"worker-mode: generating a synthetic graph of {cfg.synthetic_nodes} nodes "
+              f"and partitioning it into {cfg.num_parts} parts -> {out}", file=sys.stderr)
+        data = generate(cfg.synthetic_nodes, avg_degree=15, feat_dim=64, num_classes=8,
+                        seed=cfg.trainer.seed)
+        _partition_into(out, lambda tmp: partition_graph(data, cfg.num_parts, str(tmp)))
+    return str(out)
+
+
+def _partition_into(out: Path, write) -> None:
+    """Write a partition set next to ``out`` and move it into place only when complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _server_argv(cfg: WorkerModeConfig, parts: str, part: int, endpoint: str,
+                 cluster_file: Path) -> list[str]:
+    s = cfg.server
+    return [sys.executable, "-m", "sampler_server.main", "--parts", parts, "--part-id",
+            str(part), "--bind", endpoint, "--cluster", str(cluster_file),
+            "--num-workers", str(s.num_workers), "--max-queue", str(s.max_queue),
+            "--max-message-mb", str(s.max_message_mb), "--peer-timeout-s",
+            str(s.peer_timeout_s), "--seed", str(s.seed + part)]
+
+
+def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
+                  summary_file: Path) -> list[str]:
+    t = cfg.trainer
+    argv = [sys.executable, "-m", "trainer_client.main", "--cluster", str(cluster_file),
+            "--rank", str(rank), "--world-size", str(cfg.num_trainers),
+            "--local-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    for key, value in to_dict(t).items():
+        if key in ("cluster", "summary_out", "progress"):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, list):
+            if value:
+                argv += [flag, ",".join(map(str, value))]
+        elif isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    argv.append("--progress" if (t.progress and rank == 0) else "--no-progress")
+    if rank == 0:
+        argv += ["--summary-out", str(summary_file)]
+    return argv
+
+
+def _wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s: float) -> None:
+    """Ping every server until it answers, failing fast if one exits."""
+    ctx = zmq.Context()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for name, ep in endpoints:
+            ch = RpcChannel(ctx, ep, timeout_s=1.0, setting="--startup-timeout-s")
+            try:
+                while True:
+                    dead = group.failed() or next((c for c in group.children
+                                                   if c.proc.poll() is not None), None)
+                    if dead is not None:
+                        raise LaunchError(
+                            f"{dead.name} (pid {dead.pid}) exited with code "
+                            f"{dead.proc.returncode} during startup; its last output:\n"
+                            f"{dead.last_lines()}")
+                    if time.monotonic() > deadline:
+                        raise LaunchError(f"{name} at {ep} did not answer a ping within "
+                                          f"{timeout_s:.0f}s; raise --startup-timeout-s")
+                    try:
+                        ch.call(Ping(), timeout_s=1.0)
+                        break
+                    except TimeoutError:
+                        ch.close()  # drop the unanswered ping; start a fresh connection
+                        ch = RpcChannel(ctx, ep, timeout_s=1.0, setting="--startup-timeout-s")
+            finally:
+                ch.close()
+    finally:
+        ctx.term()
+
+
+def _shutdown_servers(endpoints: list[tuple[str, str]]) -> None:
+    ctx = zmq.Context()
+    try:
+        chans = [RpcChannel(ctx, ep, timeout_s=2.0, setting="--shutdown-timeout-s")
+                 for _, ep in endpoints]
+        for ch in chans:
+            ch.send(Shutdown())
+        for ch in chans:
+            try:
+                ch.recv(timeout_s=2.0)
+            except Exception:
+                pass
+            ch.close()
+    finally:
+        ctx.term()
+
+
+def run(cfg: WorkerModeConfig) -> dict:
+    t0 = time.perf_counter()
+    parts = prepare_parts(cfg)
+    meta = PartitionSetMeta.load(parts)
+    prep_s = time.perf_counter() - t0
+    run_dir = Path(tempfile.mkdtemp(prefix="mfgserve-"))
+    group = ProcessGroup()
+    servers: list[tuple[str, str]] = []
+    try:
+        cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}r{r}.sock"
+                                   for r in range(cfg.servers_per_part)]
+                               for p in range(meta.num_parts)})
+        cluster_file = run_dir / "cluster.yaml"
+        cluster.write(cluster_file)
+        for p, ep in cluster.all_endpoints():
+            name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
+            group.spawn(name, _server_argv(cfg, parts, p, ep, cluster_file))
+            servers.append((name, ep))
+        _wait_ready(group, servers, cfg.startup_timeout_s)
+        t_ready = time.perf_counter()
+        port = free_tcp_port()
+        summary_file = run_dir / "summary.json"
+        trainers = [group.spawn(f"trainer rank {r}",
+                                _trainer_argv(cfg, cluster_file, r, port, summary_file))
+                    for r in range(cfg.num_trainers)]
+        while True:
+            bad = group.failed()
+            if bad is not None:
+                raise LaunchError(f"{bad.name} (pid {bad.pid}) exited with code "
+                                  f"{bad.proc.returncode}; stopping all processes. Its last "
+                                  f"output:\n{bad.last_lines()}")
+            for c in group.children:
+                if c not in trainers and c.proc.poll() is not None:
+                    raise LaunchError(f"{c.name} (pid {c.pid}) exited during training with "
+                                      f"code {c.proc.returncode}")
+            if all(t.proc.poll() == 0 for t in trainers):
+                break
+            time.sleep(0.1)
+        group.teardown(cfg.shutdown_timeout_s, polite=lambda: _shutdown_servers(servers))
+        if not summary_file.is_file():
+            raise LaunchError("trainer rank 0 exited without writing its summary")
+        summary = json.loads(summary_file.read_text())
+        summary.update({
+            "mode": "worker", "parts": parts, "servers": len(servers),
+            "prepare_s": round(prep_s, 3), "startup_s": round(t_ready - t0 - prep_s, 3),
+            "launcher_wall_s": round(time.perf_counter() - t0, 3),
+            "teardown": group.escalation,
+        })
+        return summary
+    finally:
+        group.teardown(cfg.shutdown_timeout_s, polite=lambda: _shutdown_servers(servers))
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def on_signal(signum, _frame):
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cfg = load_config(WorkerModeConfig, args.config, {k: v for k, v in vars(args).items()
+                                                          if k != "config"})
+        summary = run(cfg)
+    except Interrupted as e:
+        print(f"worker-mode: interrupted by {e}; all processes stopped", file=sys.stderr)
+        return 128 + e.signum
+    except LaunchError as e:
+        print(f"worker-mode: error: {e}", file=sys.stderr)
+        return 1
+    except (MfgServeError, PartitionFormatError, ValueError, OSError) as e:
+        print(f"worker-mode: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
