@@ -1,0 +1,76 @@
+"""Real child processes for tests: started with a deadline, stopped, exit codes checked.
+
+A failing child fails the test with its last stderr lines (the model: PyG's
+``testing/distributed.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no output>"
+
+
+def run_cli(module: str, args: list[str], timeout: float, cwd: Path | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` to completion under a timeout."""
+    proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd or REPO, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{module} exited with {proc.returncode}; stderr tail:\n"
+                             f"{proc.stderr[-4000:]}")
+    return proc
+
+
+class ServerProcess:
+    def __init__(self, parts: Path, part_id: int, endpoint: str, cluster: Path | None,
+                 workdir: Path, extra: list[str]):
+        self.endpoint = endpoint
+        self.ready = workdir / f"ready-{part_id}-{id(self)}"
+        self.log = workdir / f"server-{part_id}-{id(self)}.log"
+        argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts),
+                "--part-id", str(part_id), "--bind", endpoint, "--ready-file", str(self.ready),
+                *extra]
+        if cluster is not None:
+            argv += ["--cluster", str(cluster)]
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=REPO)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode} during "
+                                     f"startup:\n{tail(self.log)}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"server not ready within {timeout}s:\n{tail(self.log)}")
+            time.sleep(0.05)
+        self.endpoint = self.ready.read_text().strip() or self.endpoint
+
+    def stop_and_check(self, timeout: float = 20.0, expect_code: int | None = 0) -> int:
+        """SIGTERM (no-op if already gone), wait, and assert the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise AssertionError(f"server did not stop within {timeout}s of SIGTERM:\n"
+                                 f"{tail(self.log)}") from None
+        finally:
+            self._log_file.close()
+        if expect_code is not None and code != expect_code and code != -15:
+            raise AssertionError(f"server exited with {code}:\n{tail(self.log)}")
+        return code
