@@ -71,6 +71,6 @@ class ServerProcess:
                                  f"{tail(self.log)}") from None
         finally:
             self._log_file.close()
-        if expect_code is not None and code != expect_code and code != -15:
+        if expect_code is not None and code != expect_code:
             raise AssertionError(f"server exited with {code}:\n{tail(self.log)}")
         return code
