@@ -3,7 +3,7 @@
 :class:`SAGEConv` computes exactly what ``dgl.nn.SAGEConv(in, out, "mean")`` computes on the
 same block with the same weights (tested against DGL)::
 
-    h_dst' = fc_self(h_dst) + fc_neigh(mean_{u in N(v)} h_u) + bias
+    h_dst' = fc_self(h_dst) + fc_neigh(mean_{u in N(v)} h_u)      (fc_self carries the bias)
 
 with the mean over the block's sampled in-edges (0 for a destination without any).
 """
@@ -21,17 +21,14 @@ class SAGEConv(nn.Module):
     def __init__(self, in_feats: int, out_feats: int, bias: bool = True):
         super().__init__()
         self.in_feats, self.out_feats = in_feats, out_feats
-        self.fc_self = nn.Linear(in_feats, out_feats, bias=False)
+        self.fc_self = nn.Linear(in_feats, out_feats, bias=bias)
         self.fc_neigh = nn.Linear(in_feats, out_feats, bias=False)
-        self.bias = nn.Parameter(torch.zeros(out_feats)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         gain = nn.init.calculate_gain("relu")
         nn.init.xavier_uniform_(self.fc_self.weight, gain=gain)
         nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
 
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
         num_dst = block.num_dst_nodes()
@@ -46,10 +43,7 @@ class SAGEConv(nn.Module):
         h_neigh = agg / deg
         if not project_first:
             h_neigh = self.fc_neigh(h_neigh)
-        out = self.fc_self(h_dst) + h_neigh
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        return self.fc_self(h_dst) + h_neigh
 
 
 class GraphSAGE(nn.Module):
