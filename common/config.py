@@ -91,6 +91,8 @@ class TrainerConfig:
         [], "fanouts for validation/test sampling; empty means the same as --fanouts"
     )
     batch_size: int = opt(1024, "training seeds per mini-batch (per trainer)")
+    eval_batch_size: int = opt(
+        1024, "seeds per validation/test mini-batch (does not change the accuracy measured)")
     epochs: int = opt(10, "training epochs")
     hidden: int = opt(256, "hidden size of GraphSAGE")
     dropout: float = opt(0.5, "dropout between GraphSAGE layers")
@@ -101,6 +103,9 @@ class TrainerConfig:
         60.0, "seconds to wait for a server's reply before failing with an error"
     )
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda")
+    num_threads: int = opt(
+        0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
+        "cores / trainers so co-located processes do not oversubscribe the CPU)")
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
     progress: bool = opt(True, "show tqdm progress bars (rank 0, on stderr)")
@@ -121,11 +126,13 @@ class TrainerConfig:
                 f"--eval-fanouts must have one entry per layer like --fanouts {self.fanouts}, "
                 f"got {self.eval_fanouts}"
             )
-        for name in ("batch_size", "epochs", "hidden", "max_inflight"):
+        for name in ("batch_size", "eval_batch_size", "epochs", "hidden", "max_inflight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.num_threads < 0:
+            raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.request_timeout_s <= 0:

@@ -15,6 +15,7 @@ removed on every exit path. Exit codes: 0 ok, 1 a child failed, 2 bad input, 130
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -128,6 +129,8 @@ def _server_argv(cfg: WorkerModeConfig, parts: str, part: int, endpoint: str,
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
                   summary_file: Path) -> list[str]:
     t = cfg.trainer
+    if not t.num_threads:
+        t = dataclasses.replace(t, num_threads=max(1, (os.cpu_count() or 1) // cfg.num_trainers))
     argv = [sys.executable, "-m", "trainer_client.main", "--cluster", str(cluster_file),
             "--rank", str(rank), "--world-size", str(cfg.num_trainers),
             "--local-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -136,8 +139,8 @@ def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: in
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, list):
-            if value:
-                argv += [flag, ",".join(map(str, value))]
+            if value:  # "=" form: a value like -1,-1 must not parse as an option
+                argv.append(f"{flag}={','.join(map(str, value))}")
         elif isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
@@ -208,6 +211,10 @@ def run(cfg: WorkerModeConfig) -> dict:
         cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}r{r}.sock"
                                    for r in range(cfg.servers_per_part)]
                                for p in range(meta.num_parts)})
+        longest = max(len(ep) for _, ep in cluster.all_endpoints()) - len("ipc://")
+        if longest > 100:  # sun_path holds 107 bytes
+            raise MfgServeError(f"run directory {run_dir} is too deep for ipc socket paths; "
+                                "set TMPDIR to a shorter directory")
         cluster_file = run_dir / "cluster.yaml"
         cluster.write(cluster_file)
         for p, ep in cluster.all_endpoints():

@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         cfg = load_config(ServerConfig, args.config, args)
+        import torch
+
         from sampler_server.server import SamplerServer  # heavy imports after arg checks
+
+        # Concurrency comes from --num-workers threads (and processes); keep each op serial
+        # so co-located servers and trainers do not oversubscribe the cores.
+        torch.set_num_threads(1)
 
         server = SamplerServer(cfg)
     except (MfgServeError, PartitionFormatError, OSError) as e:

@@ -152,6 +152,11 @@ class SamplerServer:
     def _dispatch(self, ident: Any, msg: Message, rid: int) -> None:
         store = self.store
         if isinstance(msg, SampleRequest):
+            n, top = store.meta.num_nodes, int(msg.seeds.max())  # check() ensured non-empty
+            if top >= n:
+                raise ProtocolError("id_out_of_range",
+                                    f"seed id {top} is outside [0, {n}): dataset "
+                                    f"{store.meta.dataset} has {n} nodes")
             try:
                 self.jobs.put_nowait((ident, msg, rid, time.perf_counter()))
             except queue.Full:

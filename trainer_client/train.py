@@ -81,6 +81,8 @@ def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
     """Train and evaluate; returns the summary dict (identical on every rank)."""
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
     device = _device(cfg, ddp.local_rank)
     if ddp.world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -106,7 +108,8 @@ def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
                                           shuffle=True, **common)
         eval_fanouts = cfg.eval_fanouts or cfg.fanouts
         eval_loaders = {s: DistNodeDataLoader(pool, splits[s], info.node_offsets,
-                                              fanouts=eval_fanouts, batch_size=cfg.batch_size,
+                                              fanouts=eval_fanouts,
+                                              batch_size=cfg.eval_batch_size,
                                               shuffle=False, **common)
                         for s in ("valid", "test") if splits[s].numel() >= ddp.world_size}
         compute_s = train_s = 0.0
