@@ -68,6 +68,10 @@ def _check_ids(t: Tensor, name: str, upper: int | None = None) -> None:
               f"{name} holds ids in [{lo}, {hi}], outside [0, {bound})")
 
 
+def _check_unique(t: Tensor, name: str) -> None:
+    _need(torch.unique(t).numel() == t.numel(), "bad_tensor", f"{name} must be unique")
+
+
 def _check_fanouts(fanouts: list[int]) -> None:
     _need(1 <= len(fanouts) <= MAX_LAYERS, "bad_fanouts",
           f"fanouts must have 1..{MAX_LAYERS} entries, got {len(fanouts)}")
@@ -117,6 +121,7 @@ class SampleRequest(Message):
     def check(self) -> None:
         _check_ids(self.seeds, "seeds")
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
+        _check_unique(self.seeds, "seeds")
         _check_fanouts(self.fanouts)
 
 
@@ -172,6 +177,7 @@ class NeighborsRequest(Message):
 
     def check(self) -> None:
         _check_ids(self.nodes, "nodes")
+        _check_unique(self.nodes, "nodes")
         _check_fanouts([self.fanout])
 
 

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from threading import Thread
 
 PR_SET_PDEATHSIG = 1
+_EOL = re.compile(rb"\r\n?|\n")
 
 
 def _die_with_parent() -> None:
@@ -64,11 +67,24 @@ class ProcessGroup:
         child = Child(name, proc)
 
         def pump() -> None:
+            # Forward the child's stderr line by line with a prefix, keeping "\r" updates
+            # (tqdm progress bars) as in-place updates; keep the last full lines for errors.
             assert proc.stderr is not None
-            for raw in iter(proc.stderr.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\n")
-                child.tail.append(line)
-                print(f"[{name}] {line}", file=sys.stderr, flush=True)
+            fd, buf = proc.stderr.fileno(), b""
+            while chunk := os.read(fd, 65536):
+                buf += chunk
+                while (m := _EOL.search(buf)) is not None:
+                    text = buf[: m.start()].decode(errors="replace")
+                    term = buf[m.start(): m.end()].decode()
+                    buf = buf[m.end():]
+                    if term == "\n" and text.strip():
+                        child.tail.append(text)
+                    sys.stderr.write(f"[{name}] {text}{term}")
+                sys.stderr.flush()
+            if buf:
+                text = buf.decode(errors="replace")
+                child.tail.append(text)
+                print(f"[{name}] {text}", file=sys.stderr, flush=True)
             proc.stderr.close()
 
         Thread(target=pump, daemon=True, name=f"stderr-{name}").start()

@@ -17,7 +17,7 @@ import zmq
 
 from common.cluster import ClusterSpec
 from common.dgl_compat import import_dgl
-from common.messages import MFGReply, Pong, Ping, SampleRequest
+from common.messages import MFGReply, Ping, Pong, SampleRequest
 from common.rpc import RpcChannel
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from procs import REPO, run_cli
 
 SETTINGS = ["--num-trainers", "2", "--epochs", "50", "--fanouts", "10,10", "--batch-size", "64",

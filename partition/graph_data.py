@@ -1,0 +1,122 @@
+"""In-memory homogeneous graph with node features, labels and a train/valid/test split.
+
+:class:`GraphData` is what the loaders (:mod:`partition.ogbn`, :mod:`partition.synthetic`)
+produce and what :func:`partition.partitioner.partition_graph` consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["GraphData", "DatasetError"]
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be loaded or is inconsistent; the message says what to change."""
+
+
+@dataclass
+class GraphData:
+    """A graph in original (dataset) node ids.
+
+    Invariants (checked by :meth:`validate`):
+
+    * ``src``, ``dst``: ``np.int64`` arrays of equal length E, one entry per DIRECTED edge
+      ``src[i] -> dst[i]``, every id in ``[0, num_nodes)``. Undirected datasets hold both
+      directions of every edge. Loaders that read an OGB ``add_inverse_edge`` dataset (and the
+      synthetic generator) store an undirected edge ``{u, v}`` as the adjacent pair
+      ``(u -> v)`` at an even index ``2k`` and ``(v -> u)`` at ``2k + 1`` (ogb's own order);
+      :func:`partition.synthetic.write_ogb_raw` relies on that to write each edge once.
+    * ``feat``: ``np.float32 [num_nodes, D]``, row i = features of node i.
+    * ``label``: ``np.int64 [num_nodes]``, class in ``[0, num_classes)``, ``-1`` where the
+      node is unlabeled (NaN in the source).
+    * ``train``, ``valid``, ``test``: ``np.int64`` original node ids, each within
+      ``[0, num_nodes)``, no duplicates within a split.
+    * ``num_classes >= 1``.
+    """
+
+    name: str
+    num_nodes: int
+    src: np.ndarray
+    dst: np.ndarray
+    feat: np.ndarray
+    label: np.ndarray
+    train: np.ndarray
+    valid: np.ndarray
+    test: np.ndarray
+    num_classes: int
+
+    @property
+    def num_edges(self) -> int:
+        """Number of directed edges."""
+        return int(self.src.shape[0])
+
+    @property
+    def feat_dim(self) -> int:
+        return int(self.feat.shape[1])
+
+    def split(self, name: str) -> np.ndarray:
+        """The ``train`` / ``valid`` / ``test`` node ids."""
+        if name not in ("train", "valid", "test"):
+            raise KeyError(f"unknown split {name!r}; expected train, valid or test")
+        return getattr(self, name)
+
+    def train_mask(self) -> np.ndarray:
+        """Boolean ``[num_nodes]`` mask of the training seeds."""
+        mask = np.zeros(self.num_nodes, dtype=bool)
+        mask[self.train] = True
+        return mask
+
+    def is_interleaved_undirected(self) -> bool:
+        """True when edges come in ``(u -> v), (v -> u)`` pairs at indices ``2k, 2k + 1``."""
+        e = self.num_edges
+        if e % 2:
+            return False
+        return bool(
+            np.array_equal(self.src[1::2], self.dst[0::2])
+            and np.array_equal(self.dst[1::2], self.src[0::2])
+        )
+
+    def validate(self) -> GraphData:
+        """Check the invariants above; raise :class:`DatasetError` naming the broken one."""
+        n = int(self.num_nodes)
+        where = f"dataset {self.name!r}"
+        if n < 1:
+            raise DatasetError(f"{where} has {n} nodes; a graph needs at least one node")
+        for attr in ("src", "dst", "label", "train", "valid", "test"):
+            arr = getattr(self, attr)
+            if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 1:
+                raise DatasetError(f"{where}: {attr} must be a 1-D np.int64 array")
+        if self.src.shape != self.dst.shape:
+            raise DatasetError(
+                f"{where}: src has {self.src.shape[0]} edges but dst has {self.dst.shape[0]}"
+            )
+        if self.num_edges:
+            lo = min(int(self.src.min()), int(self.dst.min()))
+            hi = max(int(self.src.max()), int(self.dst.max()))
+            if lo < 0 or hi >= n:
+                raise DatasetError(
+                    f"{where}: edge endpoints span [{lo}, {hi}] but there are {n} nodes"
+                )
+        if not isinstance(self.feat, np.ndarray) or self.feat.dtype != np.float32:
+            raise DatasetError(f"{where}: feat must be a np.float32 array")
+        if self.feat.ndim != 2 or self.feat.shape[0] != n:
+            raise DatasetError(f"{where}: feat has shape {self.feat.shape}, expected ({n}, D)")
+        if self.label.shape != (n,):
+            raise DatasetError(f"{where}: label has shape {self.label.shape}, expected ({n},)")
+        if self.num_classes < 1:
+            raise DatasetError(f"{where}: num_classes={self.num_classes} must be >= 1")
+        if n and (self.label.min() < -1 or self.label.max() >= self.num_classes):
+            raise DatasetError(
+                f"{where}: labels span [{self.label.min()}, {self.label.max()}] but "
+                f"num_classes={self.num_classes} (-1 marks unlabeled nodes)"
+            )
+        for s in ("train", "valid", "test"):
+            ids = getattr(self, s)
+            if ids.size and (ids.min() < 0 or ids.max() >= n):
+                raise DatasetError(f"{where}: {s} split has node ids outside [0, {n})")
+            if np.unique(ids).size != ids.size:
+                raise DatasetError(f"{where}: {s} split lists some node more than once")
+        return self

@@ -1,0 +1,322 @@
+"""Load an OGB node-property dataset (by name, or any directory in OGB's raw layout).
+
+Two ways in, one loader (ogb's :class:`NodePropPredDataset`) underneath:
+
+* ``load_ogb(name="ogbn-arxiv", root="./data/ogb")``: the dataset lives in
+  ``root/ogbn_arxiv`` (ogb's own download layout). When its raw files are missing it is
+  downloaded from ogb's URL (no interactive prompt); offline, unzip it there yourself.
+* ``load_ogb(dataset_dir="../shared/datasets/cora")``: a directory with ``raw/``,
+  ``split/<split>/``, ``RELEASE_v1.txt`` and a ``meta.json`` holding ogb's ``meta_dict``
+  fields (see ``docs/partitions.md``).
+
+Either way the raw files are staged into a private, writable working directory
+(per-file symlinks, copies where links are impossible) and ogb processes them there: ogb
+writes a ``processed/`` cache next to ``raw/``, the source may be read-only, and a stale
+cache written by an older torch would not load under ``torch.load(weights_only=True)``.
+The working directory is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from partition.graph_data import DatasetError, GraphData
+
+__all__ = ["load_ogb", "DatasetError", "META_KEYS", "DEFAULT_ROOT"]
+
+DEFAULT_ROOT = "./data/ogb"
+
+# Keys NodePropPredDataset reads from meta_dict (ogb/nodeproppred/dataset.py), besides
+# dir_path which the loader sets, and url which it only reads when downloading.
+META_KEYS = (
+    "num tasks",
+    "num classes",
+    "eval metric",
+    "task type",
+    "download_name",
+    "version",
+    "add_inverse_edge",
+    "split",
+    "additional node files",
+    "additional edge files",
+    "is hetero",
+    "binary",
+)
+
+
+def _ogb_master() -> dict[str, dict]:
+    """ogb's table of known node-property datasets, read without importing torch."""
+    import csv
+    import importlib.util
+
+    spec = importlib.util.find_spec("ogb")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError("the ogb package is not installed; pip install ogb")
+    path = Path(next(iter(spec.submodule_search_locations))) / "nodeproppred" / "master.csv"
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    names = rows[0][1:]
+    return {name: {row[0]: row[i + 1] for row in rows[1:]} for i, name in enumerate(names)}
+
+
+def _meta_str(v) -> str:
+    """ogb compares meta_dict values with strings ("True", "1"); accept JSON bools / numbers."""
+    return str(v) if not isinstance(v, str) else v
+
+
+def _required_raw_files(meta: dict) -> list[str]:
+    if meta.get("binary") == "True":
+        return ["raw/data.npz", "raw/node-label.npz"]
+    return [
+        "raw/edge.csv.gz",
+        "raw/num-node-list.csv.gz",
+        "raw/num-edge-list.csv.gz",
+        "raw/node-feat.csv.gz",
+        "raw/node-label.csv.gz",
+    ]
+
+
+def _check_supported(meta: dict, where: str) -> None:
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise DatasetError(
+            f"{where}: meta.json lacks the ogb meta_dict keys {missing}; add them (see "
+            "../shared/datasets/cora/meta.json for a complete example)"
+        )
+    if meta["is hetero"] == "True":
+        raise DatasetError(
+            f"{where} is a heterogeneous graph (is hetero=True, e.g. ogbn-mag); partition-ogbn "
+            "handles homogeneous node-property datasets only"
+        )
+    if str(meta["num tasks"]) != "1" or "multiclass" not in str(meta["task type"]):
+        raise DatasetError(
+            f"{where} is a {meta['num tasks']}-task {meta['task type']!r} dataset (e.g. "
+            "ogbn-proteins); partition-ogbn needs single-task multiclass classification"
+        )
+
+
+def _check_layout(src: Path, meta: dict, where: str) -> None:
+    missing = [f for f in _required_raw_files(meta) if not (src / f).is_file()]
+    if missing:
+        raise DatasetError(
+            f"{where}: missing {', '.join(str(src / f) for f in missing)}; the directory must "
+            "hold the dataset in OGB raw layout (raw/*.csv.gz with node features, split/, "
+            "meta.json) -- write one with `partition-ogbn --dataset synthetic --raw-out DIR`"
+        )
+    split_dir = src / "split" / str(meta["split"])
+    if not (split_dir / "split_dict.pt").is_file():
+        absent = [
+            s for s in ("train", "valid", "test") if not (split_dir / f"{s}.csv.gz").is_file()
+        ]
+        if absent:
+            raise DatasetError(
+                f"{where}: split files {[str(split_dir / f'{s}.csv.gz') for s in absent]} are "
+                f"missing (meta.json says split={meta['split']!r}); add them or fix 'split'"
+            )
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.symlink(src.resolve(), dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _stage(src: Path, meta: dict, work_parent: str | None) -> Path:
+    """Make a private working dir that ogb may write processed/ into; return its path."""
+    if work_parent is not None:
+        Path(work_parent).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="mfgserve-ogb-", dir=work_parent))
+    for sub in ("raw", "split"):
+        for f in sorted((src / sub).rglob("*")) if (src / sub).is_dir() else []:
+            target = work / f.relative_to(src)
+            if f.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(f, target)
+    (work / "processed").mkdir()
+    release = f"RELEASE_v{meta['version']}.txt"
+    if (src / release).is_file():
+        shutil.copy2(src / release, work / release)
+    else:  # ogb would otherwise stop and ask on stdin whether to delete the dataset
+        print(
+            f"warning: {src / release} is missing; assuming the files are version "
+            f"{meta['version']}",
+            file=sys.stderr,
+        )
+        (work / release).write_text(f"v{meta['version']}\n")
+    return work
+
+
+def _download(name: str, meta: dict, root: Path, target: Path) -> None:
+    """Fetch ogb's zip for ``name`` into ``target`` (what ogb does, minus its y/N prompts)."""
+    from ogb.utils.url import download_url, extract_zip
+
+    url = meta.get("url", "")
+    hint = (
+        f"Without internet, download {url} elsewhere and unzip it so that "
+        f"{target / 'raw'} exists (or pass --dataset-dir to a directory in OGB raw layout)"
+    )
+    if target.exists():
+        raise DatasetError(
+            f"{target} exists but lacks the raw files of {name}; remove it to re-download, or "
+            f"complete it. {hint}"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)
+    try:
+        path = download_url(url, str(root))
+        extract_zip(path, str(root))
+        os.unlink(path)
+        shutil.move(str(root / meta["download_name"]), str(target))
+    except (OSError, RuntimeError) as e:  # URLError is an OSError
+        raise DatasetError(
+            f"{name} is not in {target} and downloading {url} failed ({e}). {hint}"
+        ) from e
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+
+
+def _labels(raw, n: int, where: str) -> np.ndarray:
+    lab = np.asarray(raw)
+    if lab.ndim == 2 and lab.shape[1] == 1:
+        lab = lab[:, 0]
+    if lab.shape != (n,):
+        raise DatasetError(f"{where}: labels have shape {np.asarray(raw).shape}, expected ({n}, 1)")
+    if lab.dtype.kind == "f":
+        out = np.full(n, -1, dtype=np.int64)
+        ok = ~np.isnan(lab)
+        out[ok] = lab[ok].astype(np.int64)
+        return out
+    return lab.astype(np.int64, copy=False)
+
+
+def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: str) -> GraphData:
+    graph, labels = ds[0]
+    n = int(graph["num_nodes"])
+    if graph.get("node_feat") is None:
+        raise DatasetError(
+            f"{where} has no node features (raw/node-feat.csv.gz); mfgserve needs them"
+        )
+    feat = np.ascontiguousarray(graph["node_feat"], dtype=np.float32)
+    if feat.ndim == 1:
+        feat = feat.reshape(n, 1)
+    ei = np.asarray(graph["edge_index"], dtype=np.int64)
+    src, dst = ei[0], ei[1]
+    if add_reverse_edges and meta["add_inverse_edge"] != "True":
+        keep = src != dst  # a self loop is its own reverse
+        src = np.concatenate([src, dst[keep]])
+        dst = np.concatenate([dst, ei[0][keep]])
+    split = ds.get_idx_split()
+    splits = {}
+    for s in ("train", "valid", "test"):
+        ids = split[s]
+        if hasattr(ids, "numpy"):
+            ids = ids.numpy()
+        splits[s] = np.asarray(ids, dtype=np.int64).reshape(-1)
+    data = GraphData(
+        name=name,
+        num_nodes=n,
+        src=np.ascontiguousarray(src),
+        dst=np.ascontiguousarray(dst),
+        feat=feat,
+        label=_labels(labels, n, where),
+        num_classes=int(meta["num classes"]),
+        **splits,
+    )
+    return data.validate()
+
+
+def load_ogb(
+    name: str | None = None,
+    root: str | None = None,
+    dataset_dir: str | None = None,
+    *,
+    add_reverse_edges: bool = False,
+    work_dir: str | None = None,
+) -> GraphData:
+    """Load an OGB node-property dataset into a :class:`GraphData`.
+
+    Give exactly one of ``name`` (an ogb dataset name such as ``ogbn-arxiv``; files live in
+    ``root/<name with _>``, default root ``./data/ogb``) or ``dataset_dir`` (a directory in
+    OGB raw layout with ``meta.json``; its name is ``meta['name']`` or the directory name).
+
+    ``add_inverse_edge`` in the dataset's meta is applied by ogb (edges come in
+    ``(u -> v), (v -> u)`` pairs). ``add_reverse_edges=True`` additionally makes a directed
+    dataset (``add_inverse_edge`` False, e.g. ogbn-arxiv) bidirected by appending every
+    non-self-loop edge reversed; it is a no-op when ogb already inverted the edges.
+    ``work_dir`` is where the temporary working directory goes (default: ``root`` for named
+    datasets, the system temp dir otherwise).
+
+    Raises :class:`DatasetError` with a message naming the path and the fix.
+    """
+    if (name is None) == (dataset_dir is None):
+        raise DatasetError("give exactly one of name (an ogbn-* dataset) or dataset_dir")
+    if dataset_dir is not None:
+        src = Path(dataset_dir)
+        if not src.is_dir():
+            raise DatasetError(
+                f"dataset directory {src} does not exist; pass a directory in OGB raw layout "
+                "(raw/, split/, meta.json), e.g. ../shared/datasets/cora"
+            )
+        meta_path = src / "meta.json"
+        if not meta_path.is_file():
+            raise DatasetError(
+                f"{src} has no meta.json: it is not in OGB raw layout; add a meta.json with ogb's "
+                "meta_dict fields (see ../shared/datasets/cora/meta.json)"
+            )
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DatasetError(f"cannot read {meta_path}: {e}; fix the JSON") from e
+        if not isinstance(meta, dict):
+            raise DatasetError(f"{meta_path} must hold a JSON object of ogb meta_dict fields")
+        meta = {k: _meta_str(v) if k in META_KEYS else v for k, v in meta.items()}
+        ds_name = str(meta.get("name") or src.resolve().name)
+        where = f"dataset directory {src}"
+        _check_supported(meta, where)
+        _check_layout(src, meta, where)
+        parent = work_dir
+    else:
+        master = _ogb_master()
+        if name not in master:
+            known = ", ".join(k for k in master if k.startswith("ogbn-"))
+            raise DatasetError(
+                f"unknown OGB dataset {name!r}; ogb knows {known}. For other data pass "
+                "--dataset-dir DIR (OGB raw layout) or --dataset synthetic"
+            )
+        meta = master[name]
+        ds_name = name
+        root_p = Path(root or DEFAULT_ROOT)
+        src = root_p / "_".join(name.split("-"))
+        where = f"OGB dataset {name} in {src}"
+        _check_supported(meta, where)
+        if any(not (src / f).is_file() for f in _required_raw_files(meta)):
+            with contextlib.redirect_stdout(sys.stderr):
+                _download(name, meta, root_p, src)
+        _check_layout(src, meta, where)
+        parent = work_dir if work_dir is not None else str(root_p)
+
+    from ogb.nodeproppred import NodePropPredDataset
+
+    work = _stage(src, meta, parent)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # ogb prints progress to stdout
+            try:
+                ds = NodePropPredDataset(name=ds_name, meta_dict={**meta, "dir_path": str(work)})
+            except (RuntimeError, ValueError, KeyError, OSError) as e:
+                raise DatasetError(f"ogb could not read {where}: {e!r}; check its raw files") from e
+            return _to_graph_data(ds, ds_name, meta, add_reverse_edges, where)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,329 @@
+"""Split a :class:`GraphData` into parts and write them in the layout of :mod:`partition.layout`.
+
+Steps of :func:`partition_graph`:
+
+1. **Assign** every node to a part: METIS (``dgl.metis_partition_assignment``, which
+   symmetrises the graph, with the training seeds as a second balance constraint), or a random
+   assignment that deals nodes round-robin from a shuffled order (training seeds and the
+   rest separately, so both are balanced). One part skips both.
+2. **Relabel**: new global ids are sorted by ``(part, original id)``; part p owns
+   ``node_offsets[p] <= gid < node_offsets[p + 1]``.
+3. **Write** each part with :func:`partition.layout.write_part`: the in-edges of its nodes
+   in CSC (sources as new global ids, each node's in-edges sorted by source id), features,
+   labels, original ids and seeds; then ``orig_to_new.npy``; then ``metadata.json`` last
+   (:func:`partition.layout.write_metadata`) with the statistics below.
+
+``meta.stats`` holds: ``edge_cut`` / ``edge_cut_frac`` (directed edges whose endpoints lie in
+different parts), ``node_balance`` / ``edge_balance`` / ``train_balance`` (max over mean of
+the per-part counts; 1.0 is perfect), ``part_nodes`` / ``part_edges`` / ``part_train`` /
+``part_edge_cut`` (per part), ``assign_s`` / ``relabel_s`` / ``write_s`` / ``elapsed_s``
+(seconds) and ``peak_rss_bytes`` (peak resident memory of this process so far).
+
+Memory: besides the input, one int64 sort key per edge plus one part's arrays at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from partition import layout
+from partition.graph_data import GraphData
+from partition.layout import PartitionSetMeta
+
+__all__ = [
+    "partition_graph",
+    "assign_parts",
+    "PartitionError",
+    "peak_rss_bytes",
+    "is_partition_set",
+    "clear_partition_set",
+    "METHODS",
+]
+
+METHODS = ("metis", "random")
+_CHUNK = 1 << 22
+
+
+class PartitionError(ValueError):
+    """Partitioning cannot proceed; the message names the cause and what to change."""
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (bytes); current RSS where no peak is known."""
+    try:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(kb) * (1 if sys.platform == "darwin" else 1024)
+    except (ImportError, OSError):
+        import psutil
+
+        info = psutil.Process().memory_info()
+        return int(getattr(info, "peak_wset", info.rss))
+
+
+def is_partition_set(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds a ``metadata.json`` of this layout (any version)."""
+    f = Path(path) / layout.METADATA_FILE
+    if not f.is_file():
+        return False
+    try:
+        import json
+
+        return json.loads(f.read_text()).get("format") == layout.FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def clear_partition_set(path: str | os.PathLike) -> None:
+    """Delete a partition set's files (metadata.json first, so it never looks complete)."""
+    root = Path(path)
+    if not is_partition_set(root):
+        raise PartitionError(f"{root} is not a partition set; refusing to delete anything in it")
+    (root / layout.METADATA_FILE).unlink()
+    for child in root.iterdir():
+        if child.is_dir() and child.name.startswith("part-"):
+            shutil.rmtree(child)
+        elif child.name in ("orig_to_new.npy", layout.METADATA_FILE + ".tmp"):
+            child.unlink()
+
+
+def _metis_assign(data: GraphData, num_parts: int) -> np.ndarray:
+    try:
+        from common.dgl_compat import import_dgl
+
+        dgl = import_dgl()
+        import torch
+    except ImportError as e:
+        raise PartitionError(
+            f"METIS partitioning needs DGL, which cannot be imported ({e}); install "
+            "dgl==2.1.0, or choose --method random"
+        ) from e
+    # METIS runs on the symmetrised graph, which DGL builds; when the edges already come in
+    # (u -> v), (v -> u) pairs, one edge per pair gives the same symmetric graph, faster.
+    if data.is_interleaved_undirected():
+        src, dst = np.ascontiguousarray(data.src[0::2]), np.ascontiguousarray(data.dst[0::2])
+    else:
+        src, dst = data.src, data.dst
+    g = dgl.graph(
+        (torch.from_numpy(src), torch.from_numpy(dst)),
+        num_nodes=data.num_nodes,
+        idtype=torch.int64,
+    )
+    del src, dst
+    balance = torch.from_numpy(data.train_mask().astype(np.int64))
+    if not hasattr(dgl, "metis_partition_assignment"):
+        raise PartitionError(
+            "this DGL has no metis_partition_assignment; install dgl==2.1.0, or choose "
+            "--method random"
+        )
+    with contextlib.redirect_stdout(sys.stderr):  # DGL prints its timings to stdout
+        try:
+            assign = dgl.metis_partition_assignment(g, num_parts, balance_ntypes=balance)
+        except Exception as e:  # DGLError from the C API
+            raise PartitionError(
+                f"METIS failed on {data.name} ({data.num_nodes} nodes, {data.num_edges} edges, "
+                f"{num_parts} parts): {e}; try fewer parts or --method random"
+            ) from e
+    del g
+    if assign is None:
+        raise PartitionError(
+            "METIS is unavailable: this DGL build returned no assignment (built without "
+            "METIS). Install a DGL with METIS (the PyPI dgl==2.1.0 wheel has it), or choose "
+            "--method random explicitly"
+        )
+    return assign.numpy().astype(np.int64, copy=False)
+
+
+def _random_assign(data: GraphData, num_parts: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    parts = np.empty(data.num_nodes, dtype=np.int64)
+    mask = data.train_mask()
+    offset = 0
+    for group in (np.flatnonzero(mask), np.flatnonzero(~mask)):
+        group = rng.permutation(group)
+        parts[group] = (np.arange(group.shape[0]) + offset) % num_parts
+        offset += group.shape[0]  # continue the deal where the seeds stopped
+    return parts
+
+
+def assign_parts(
+    data: GraphData, num_parts: int, method: str = "metis", seed: int = 0
+) -> np.ndarray:
+    """Part id (``int64 [num_nodes]``) of every node, by ``method`` (see module docstring)."""
+    if method not in METHODS:
+        raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if num_parts == 1:
+        return np.zeros(data.num_nodes, dtype=np.int64)
+    if method == "random":
+        return _random_assign(data, num_parts, seed)
+    return _metis_assign(data, num_parts)
+
+
+def _balance(counts: np.ndarray) -> float:
+    mean = float(np.mean(counts)) if counts.size else 0.0
+    return float(np.max(counts) / mean) if mean > 0 else 1.0
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise PartitionError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_partition_set(out):
+            raise PartitionError(
+                f"--out {out} is not empty and is not a partition set; refusing to write into "
+                "it: choose an empty or new directory"
+            )
+        if not overwrite:
+            raise PartitionError(
+                f"--out {out} already holds a partition set; pass --force to overwrite it, or "
+                "choose another directory"
+            )
+        clear_partition_set(out)
+
+
+def partition_graph(
+    data: GraphData,
+    num_parts: int,
+    out: str | os.PathLike,
+    method: str = "metis",
+    seed: int = 0,
+    progress: bool = True,
+    *,
+    overwrite: bool = False,
+) -> PartitionSetMeta:
+    """Partition ``data`` into ``num_parts`` parts written under ``out``; return the metadata.
+
+    ``out`` must be empty or new; an existing partition set there is replaced only with
+    ``overwrite=True``. Raises :class:`PartitionError` for bad arguments, an unusable
+    ``out``, or METIS being unavailable (there is no silent fallback to ``random``).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
+        raise PartitionError(f"num_parts={num_parts} must be a positive integer")
+    if method not in METHODS:
+        raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    data.validate()
+    n, num_parts = int(data.num_nodes), int(num_parts)
+    if num_parts > n:
+        raise PartitionError(f"num_parts={num_parts} exceeds the {n} nodes of {data.name}")
+    if n > 3_000_000_000:
+        raise PartitionError(f"{n} nodes: edge sort keys (dst * n + src) would overflow int64")
+    out = Path(out)
+    _check_out(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    e = data.num_edges
+
+    # 1. assignment
+    parts = assign_parts(data, num_parts, method, seed)
+    if parts.shape != (n,) or (n and (parts.min() < 0 or parts.max() >= num_parts)):
+        raise PartitionError(f"part assignment is malformed (range [{parts.min()}, {parts.max()}])")
+    t_assign = time.perf_counter()
+
+    # 2. relabel: new ids sorted by (part, original id)
+    new_to_orig = np.argsort(parts, kind="stable").astype(np.int64, copy=False)
+    orig_to_new = np.empty(n, dtype=np.int64)
+    orig_to_new[new_to_orig] = np.arange(n, dtype=np.int64)
+    part_nodes = np.bincount(parts, minlength=num_parts).astype(np.int64)
+    offsets = np.zeros(num_parts + 1, dtype=np.int64)
+    np.cumsum(part_nodes, out=offsets[1:])
+    del parts
+    # edges as keys new_dst * n + new_src, sorted: CSC order with in-edges sorted by source
+    keys = np.empty(e, dtype=np.int64)
+    bar = tqdm(
+        total=e,
+        desc="relabel edges",
+        unit="edge",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress,
+    )
+    for s in range(0, e, _CHUNK):
+        sl = slice(s, min(e, s + _CHUNK))
+        np.multiply(orig_to_new[data.dst[sl]], n, out=keys[sl])
+        keys[sl] += orig_to_new[data.src[sl]]
+        bar.update(sl.stop - sl.start)
+    bar.close()
+    keys.sort()
+    t_relabel = time.perf_counter()
+
+    # 3. write parts
+    splits_new = {s: np.sort(orig_to_new[data.split(s)]) for s in layout.SPLITS}
+    infos, part_cut = [], []
+    for p in tqdm(
+        range(num_parts), desc=f"write parts to {out}", file=sys.stderr, disable=not progress
+    ):
+        lo_n, hi_n = int(offsets[p]), int(offsets[p + 1])
+        bounds = np.searchsorted(keys, np.arange(lo_n, hi_n + 1, dtype=np.int64) * n, side="left")
+        lo_e, hi_e = int(bounds[0]), int(bounds[-1])
+        indptr = bounds - lo_e
+        indices = np.empty(hi_e - lo_e, dtype=np.int64)
+        cut = 0
+        for s in range(lo_e, hi_e, _CHUNK):
+            chunk = np.remainder(keys[s : min(hi_e, s + _CHUNK)], n)
+            indices[s - lo_e : s - lo_e + chunk.shape[0]] = chunk
+            cut += int(np.count_nonzero((chunk < lo_n) | (chunk >= hi_n)))
+        orig_ids = new_to_orig[lo_n:hi_n]
+        arrays = {
+            "indptr": indptr,
+            "indices": indices,
+            "feat": data.feat[orig_ids],
+            "label": data.label[orig_ids],
+            "orig_ids": orig_ids,
+        }
+        for s in layout.SPLITS:
+            ids = splits_new[s]
+            a, b = np.searchsorted(ids, [lo_n, hi_n])
+            arrays[s] = ids[a:b]
+        infos.append(layout.write_part(out, p, arrays))
+        part_cut.append(cut)
+        del arrays, indices, indptr, bounds
+    del keys
+    np.save(out / "orig_to_new.npy", orig_to_new)
+    t_write = time.perf_counter()
+
+    part_edges = np.array([i.num_edges for i in infos], dtype=np.int64)
+    part_train = np.array([i.num_train for i in infos], dtype=np.int64)
+    edge_cut = int(sum(part_cut))
+    stats = {
+        "edge_cut": edge_cut,
+        "edge_cut_frac": edge_cut / e if e else 0.0,
+        "node_balance": _balance(part_nodes),
+        "edge_balance": _balance(part_edges),
+        "train_balance": _balance(part_train),
+        "part_nodes": part_nodes.tolist(),
+        "part_edges": part_edges.tolist(),
+        "part_train": part_train.tolist(),
+        "part_edge_cut": part_cut,
+        "assign_s": round(t_assign - t0, 3),
+        "relabel_s": round(t_relabel - t_assign, 3),
+        "write_s": round(t_write - t_relabel, 3),
+        "elapsed_s": round(time.perf_counter() - t0, 3),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    meta = PartitionSetMeta(
+        dataset=data.name,
+        num_parts=num_parts,
+        num_nodes=n,
+        num_edges=e,
+        feat_dim=data.feat_dim,
+        num_classes=int(data.num_classes),
+        node_offsets=offsets.tolist(),
+        parts=infos,
+        feat_dtype="float32",
+        method=method,
+        halo_hops=0,
+        edge_cut=edge_cut,
+        seed=int(seed),
+        stats=stats,
+    )
+    layout.write_metadata(out, meta)
+    return meta
