@@ -14,7 +14,20 @@ A partition set is a directory::
         orig_ids.npy         int64 [n_0]      original dataset id of each owned node
         train.npy            int64 [t_0]      global ids of the part's training seeds (sorted)
         valid.npy, test.npy  int64            same, for validation / test seeds
+        halo_nodes.npy       int64 [h_0]      (only when halo_hops > 0) sorted global ids of the
+                                              other parts' nodes within halo_hops in-hops of
+                                              this part's nodes
+        halo_indptr.npy      int64 [h_0 + 1]  CSC of ALL in-edges of each halo node ...
+        halo_indices.npy     int64            ... as global source ids
+        halo_feat.npy        [h_0, D]         features of the halo nodes
+        halo_label.npy       int64 [h_0]      labels of the halo nodes
       part-1/ ...
+
+What a halo buys: a part always stores every in-edge of its own nodes, so the first hop from
+its own seeds is sampled locally whatever the halo. With ``halo_hops = k`` it also holds the
+complete in-edge lists and features of the nodes within k hops, so hops 2..k+1 and the
+features of those frontiers need no server-to-server request when they stay inside the halo.
+Sampling stays exact (a halo node's in-edges are all present), at the price of storing them.
 
 Invariants (checked by tests/test_partition.py):
 
@@ -42,6 +55,7 @@ FORMAT_NAME = "mfgserve-partitions"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 PART_ARRAYS = ("indptr", "indices", "feat", "label", "orig_ids", "train", "valid", "test")
+HALO_ARRAYS = ("halo_nodes", "halo_indptr", "halo_indices", "halo_feat", "halo_label")
 SPLITS = ("train", "valid", "test")
 FEAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -61,6 +75,8 @@ class PartInfo:
     num_train: int = 0
     num_valid: int = 0
     num_test: int = 0
+    num_halo_nodes: int = 0
+    num_halo_edges: int = 0
 
 
 @dataclass
@@ -145,6 +161,11 @@ class Partition:
     train: np.ndarray
     valid: np.ndarray
     test: np.ndarray
+    halo_nodes: np.ndarray | None = None
+    halo_indptr: np.ndarray | None = None
+    halo_indices: np.ndarray | None = None
+    halo_feat: np.ndarray | None = None
+    halo_label: np.ndarray | None = None
 
     @property
     def node_start(self) -> int:
@@ -165,7 +186,7 @@ def load_partition(root: str | os.PathLike, part_id: int, mmap: bool = True) -> 
         )
     pdir = Path(root) / meta.parts[part_id].dir
     arrays = {}
-    for name in PART_ARRAYS:
+    for name in PART_ARRAYS + (HALO_ARRAYS if meta.halo_hops > 0 else ()):
         f = pdir / f"{name}.npy"
         if not f.is_file():
             raise PartitionFormatError(
@@ -182,13 +203,15 @@ def load_partition(root: str | os.PathLike, part_id: int, mmap: bool = True) -> 
 
 
 def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarray]) -> PartInfo:
-    """Write one part's arrays (all of PART_ARRAYS) under ``root/part-{part_id}``."""
-    missing = set(PART_ARRAYS) - set(arrays)
+    """Write one part's arrays (all of PART_ARRAYS, plus HALO_ARRAYS when any is given)
+    under ``root/part-{part_id}``."""
+    names = PART_ARRAYS + (HALO_ARRAYS if any(k in arrays for k in HALO_ARRAYS) else ())
+    missing = set(names) - set(arrays)
     if missing:
         raise ValueError(f"write_part: missing arrays {sorted(missing)}")
     pdir = Path(root) / f"part-{part_id}"
     pdir.mkdir(parents=True, exist_ok=True)
-    for name in PART_ARRAYS:
+    for name in names:
         np.save(pdir / f"{name}.npy", np.ascontiguousarray(arrays[name]))
     n = int(arrays["indptr"].shape[0] - 1)
     return PartInfo(
@@ -199,6 +222,8 @@ def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarr
         num_train=int(arrays["train"].shape[0]),
         num_valid=int(arrays["valid"].shape[0]),
         num_test=int(arrays["test"].shape[0]),
+        num_halo_nodes=int(arrays["halo_nodes"].shape[0]) if "halo_nodes" in arrays else 0,
+        num_halo_edges=int(arrays["halo_indices"].shape[0]) if "halo_indices" in arrays else 0,
     )
 
 

@@ -61,8 +61,11 @@ class DistributedNeighbors:
         self.timings = timings
 
     def _split(self, nodes: Tensor) -> dict[int, Tensor]:
-        """Positions of ``nodes`` grouped by owning part."""
+        """Positions of ``nodes`` grouped by the part that answers for them: this store for
+        owned and halo nodes, else the owner."""
         owners = self.store.owner_of(nodes)
+        if self.store.has_halo:
+            owners[self.store.is_local(nodes)] = self.store.part_id
         parts = torch.unique(owners).tolist()
         return {p: torch.nonzero(owners == p).flatten() for p in parts}
 

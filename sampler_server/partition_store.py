@@ -24,7 +24,9 @@ def _as_tensor(a: np.ndarray) -> Tensor:
 
 
 class PartitionStore:
-    """Owned nodes are global ids ``[start, end)``; local id = global id - start."""
+    """Owned nodes are global ids ``[start, end)``; local id = global id - start. Halo nodes
+    (other parts' nodes whose complete in-edge lists and features this part also stores) are
+    served locally too; :meth:`is_local` says which nodes this store can answer for."""
 
     def __init__(self, root: str, part_id: int, seed: int = 0):
         self.dgl = import_dgl()
@@ -34,51 +36,111 @@ class PartitionStore:
         self.start = self.meta.node_offsets[part_id]
         self.end = self.meta.node_offsets[part_id + 1]
         self.node_offsets = torch.tensor(self.meta.node_offsets, dtype=torch.int64)
-        indptr = _as_tensor(self.part.indptr)
-        indices = _as_tensor(self.part.indices)
-        self.graph = self.dgl.heterograph(
-            {("src", "e", "dst"): ("csc", (indptr, indices, torch.empty(0, dtype=torch.int64)))},
-            num_nodes_dict={"src": self.meta.num_nodes, "dst": self.end - self.start},
-        )
+        self.graph = self._sampling_graph(self.part.indptr, self.part.indices)
         self.feat = _as_tensor(self.part.feat)
         self.label = _as_tensor(self.part.label)
+        p = self.part
+        self.has_halo = p.halo_nodes is not None and len(p.halo_nodes) > 0
+        if self.has_halo:
+            self.halo_nodes = _as_tensor(np.ascontiguousarray(p.halo_nodes))
+            self.halo_graph = self._sampling_graph(p.halo_indptr, p.halo_indices)
+            self.halo_feat = _as_tensor(p.halo_feat)
+            self.halo_label = _as_tensor(p.halo_label)
         self.dgl.seed(seed)
+
+    def _sampling_graph(self, indptr: np.ndarray, indices: np.ndarray):
+        """A bipartite DGL graph: all N global ids as sources -> the listed nodes as dst."""
+        return self.dgl.heterograph(
+            {("src", "e", "dst"): ("csc", (_as_tensor(indptr), _as_tensor(indices),
+                                           torch.empty(0, dtype=torch.int64)))},
+            num_nodes_dict={"src": self.meta.num_nodes, "dst": len(indptr) - 1},
+        )
 
     def owner_of(self, gids: Tensor) -> Tensor:
         return torch.searchsorted(self.node_offsets, gids, right=True) - 1
 
-    def _local(self, gids: Tensor) -> Tensor:
-        local = gids - self.start
-        if local.numel() and (int(local.min()) < 0 or int(gids.max()) >= self.end):
-            raise ValueError(f"part {self.part_id} does not own all of the requested nodes "
-                             f"(it owns global ids [{self.start}, {self.end}))")
-        return local
+    def _owned_mask(self, gids: Tensor) -> Tensor:
+        return (gids >= self.start) & (gids < self.end)
 
-    def sample_neighbors(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
-        """Uniformly sample up to ``fanout`` in-neighbours (without replacement; -1: all) of
-        each owned node in ``nodes`` (unique global ids).
+    def _halo_pos(self, gids: Tensor) -> tuple[Tensor, Tensor]:
+        """(mask of gids that are halo nodes, their positions in halo_nodes)."""
+        if not self.has_halo:
+            return torch.zeros_like(gids, dtype=torch.bool), torch.zeros_like(gids)
+        pos = torch.searchsorted(self.halo_nodes, gids).clamp(max=self.halo_nodes.numel() - 1)
+        return self.halo_nodes[pos] == gids, pos
 
-        Returns ``(counts, src)``: ``counts[i]`` = min(in-degree, fanout) and the sampled
-        sources (global ids) of ``nodes[i]`` concatenated in the order of ``nodes``.
-        """
-        local = self._local(nodes)
+    def is_local(self, gids: Tensor) -> Tensor:
+        """Which nodes this store holds (owned or halo)."""
+        mask = self._owned_mask(gids)
+        if self.has_halo:
+            mask |= self._halo_pos(gids)[0]
+        return mask
+
+    def _split_local(self, gids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Positions and local ids of owned nodes, then of halo nodes; error if any is
+        neither."""
+        owned = self._owned_mask(gids)
+        halo, hpos = self._halo_pos(gids)
+        halo &= ~owned
+        if not bool((owned | halo).all()):
+            bad = gids[~(owned | halo)][:5].tolist()
+            raise ValueError(f"part {self.part_id} does not hold nodes {bad}... (it owns global "
+                             f"ids [{self.start}, {self.end}) plus its halo)")
+        own_pos = torch.nonzero(owned).flatten()
+        halo_pos = torch.nonzero(halo).flatten()
+        return own_pos, gids[own_pos] - self.start, halo_pos, hpos[halo_pos]
+
+    def _sample(self, graph, local: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
         if local.numel() == 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-        sg = self.dgl.sampling.sample_neighbors(self.graph, {"dst": local}, fanout)
+        sg = self.dgl.sampling.sample_neighbors(graph, {"dst": local}, fanout)
         src, dst = sg.edges()
-        # Positions of each edge's destination within ``nodes`` (nodes are unique).
+        # Position of each edge's destination within ``local`` (local ids are unique).
         order = torch.argsort(local)
         pos = order[torch.searchsorted(local[order], dst)]
         counts = torch.bincount(pos, minlength=local.numel())
         perm = torch.argsort(pos, stable=True)
         return counts, src[perm]
 
+    def sample_neighbors(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
+        """Uniformly sample up to ``fanout`` in-neighbours (without replacement; -1: all) of
+        each node in ``nodes`` (unique global ids, each owned or in the halo).
+
+        Returns ``(counts, src)``: ``counts[i]`` = min(in-degree, fanout) and the sampled
+        sources (global ids) of ``nodes[i]`` concatenated in the order of ``nodes``.
+        """
+        own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
+        if halo_pos.numel() == 0:
+            return self._sample(self.graph, own_local, fanout)
+        c_own, s_own = self._sample(self.graph, own_local, fanout)
+        c_halo, s_halo = self._sample(self.halo_graph, halo_local, fanout)
+        counts = torch.zeros(nodes.numel(), dtype=torch.int64)
+        counts[own_pos] = c_own
+        counts[halo_pos] = c_halo
+        edge_pos = torch.cat([torch.repeat_interleave(own_pos, c_own),
+                              torch.repeat_interleave(halo_pos, c_halo)])
+        perm = torch.argsort(edge_pos, stable=True)
+        return counts, torch.cat([s_own, s_halo])[perm]
+
     def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
-        """Features and labels of owned nodes (empty tensors where not asked for)."""
-        local = self._local(nodes)
-        feat = (self.feat.index_select(0, local) if with_feat
-                else torch.empty((0, self.feat.shape[1]), dtype=self.feat.dtype))
-        label = self.label.index_select(0, local) if with_label else torch.empty(0, dtype=torch.int64)
+        """Features and labels of held nodes, rows in the order of ``nodes`` (empty tensors
+        where not asked for)."""
+        own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
+        n = nodes.numel()
+        feat = torch.empty((n if with_feat else 0, self.feat.shape[1]), dtype=self.feat.dtype)
+        label = torch.empty(n if with_label else 0, dtype=torch.int64)
+        if halo_pos.numel() == 0:
+            if with_feat:
+                torch.index_select(self.feat, 0, own_local, out=feat)
+            if with_label:
+                torch.index_select(self.label, 0, own_local, out=label)
+            return feat, label
+        if with_feat:
+            feat[own_pos] = self.feat.index_select(0, own_local)
+            feat[halo_pos] = self.halo_feat.index_select(0, halo_local)
+        if with_label:
+            label[own_pos] = self.label.index_select(0, own_local)
+            label[halo_pos] = self.halo_label.index_select(0, halo_local)
         return feat, label
 
     def seeds(self, split: str) -> Tensor:
