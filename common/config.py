@@ -26,7 +26,8 @@ T = TypeVar("T")
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A config field with a default and its --help text."""
     if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+        items = list(default)
+        return field(default_factory=items.copy, metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -240,7 +241,7 @@ def from_dict(cls: type[T], data: dict, where: str) -> T:
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping of option: value, got {type(data).__name__}")
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(
@@ -256,7 +257,8 @@ def from_dict(cls: type[T], data: dict, where: str) -> T:
     return cls(**kwargs)
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                    prefix: str = "",
                     skip: tuple[str, ...] = ()) -> None:
     """Add one ``--option`` per field of ``cls`` (nested dataclasses flattened or prefixed).
 

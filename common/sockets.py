@@ -48,7 +48,8 @@ def _wildcard(endpoint: str) -> str:
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    value = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def recv_frames(sock: zmq.Socket, timeout_s: float, *, peer: str, waiting_for: str,
