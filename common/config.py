@@ -179,6 +179,11 @@ class WorkerModeConfig:
             raise ConfigError(f"--num-parts must be >= 1, got {self.num_parts}")
         if self.synthetic_nodes < 100:
             raise ConfigError("--synthetic-nodes must be >= 100")
+        if self.trainer.request_timeout_s <= self.server.peer_timeout_s:
+            raise ConfigError(
+                f"--request-timeout-s ({self.trainer.request_timeout_s}) must exceed "
+                f"--server-peer-timeout-s ({self.server.peer_timeout_s}): a server waiting on "
+                "a hung peer must answer with an error before the trainer gives up on it")
         # The launcher writes the cluster file itself; check everything else now.
         dataclasses.replace(self.trainer, cluster="<launcher>").validate()
         dataclasses.replace(self.server, parts="<launcher>").validate()

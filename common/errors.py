@@ -23,6 +23,10 @@ class PeerTimeoutError(MfgServeError, TimeoutError):
     """A peer did not answer within its deadline."""
 
 
+class PeerDisconnectedError(MfgServeError, ConnectionError):
+    """A peer's connection dropped with requests unanswered (it died or restarted)."""
+
+
 class RemoteError(MfgServeError):
     """A peer answered with an error reply."""
 

@@ -2,17 +2,25 @@
 
 A channel may have several requests in flight; replies carry the request id and may arrive
 in any order. Every receive has a deadline; errors name the endpoint and the setting to change.
+
+Liveness: a socket monitor reports when the connection to the server drops (the process died
+or restarted: the kernel closes its sockets). Requests in flight at that moment can never be
+answered, so they move to :attr:`RpcChannel.lost` and :meth:`RpcChannel.recv` raises
+:class:`PeerDisconnectedError` at once instead of waiting out the deadline. libzmq reconnects
+by itself; a restarted server at the same endpoint is used again with no action needed.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import codec
-from common.errors import PeerTimeoutError, ProtocolError, RemoteError
+from common.errors import PeerDisconnectedError, PeerTimeoutError, ProtocolError, RemoteError
 from common.messages import ErrorReply, Message
 from common.sockets import Deadline, make_socket
 
@@ -30,8 +38,26 @@ class RpcChannel:
         self.max_message_bytes = max_message_bytes
         self.sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, hwm=hwm,
                                 max_message_bytes=max_message_bytes)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.pending: set[int] = set()
+        self.lost: set[int] = set()
+        self.up = True  # no disconnect seen since the last (re)connect
+        self.disconnects = 0
+        self.last_disconnect = 0.0
         self.bytes_received = 0
+
+    def poll_events(self) -> None:
+        """Apply connection events seen so far (never blocks)."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self.up = False
+                self.disconnects += 1
+                self.last_disconnect = time.monotonic()
+                self.lost |= self.pending
+                self.pending.clear()
+            elif event == zmq.EVENT_CONNECTED:
+                self.up = True
 
     def send(self, msg: Message) -> int:
         rid = next(_ids)
@@ -39,16 +65,34 @@ class RpcChannel:
         self.pending.add(rid)
         return rid
 
-    def recv(self, timeout_s: float | None = None, waiting_for: str = "a reply") -> tuple[Message, int]:
-        """Next reply to one of our pending requests; stale replies are dropped."""
-        deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
+    def recv(self, timeout_s: float | None = None,
+             waiting_for: str = "a reply") -> tuple[Message, int]:
+        """Next reply to one of our pending requests; stale replies are dropped.
+
+        Raises PeerDisconnectedError if the connection drops with requests unanswered,
+        PeerTimeoutError at the deadline, RemoteError for an error reply.
+        """
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = Deadline(limit)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while True:
-            if not self.sock.poll(int(deadline.left() * 1000), zmq.POLLIN):
+            self.poll_events()
+            if self.lost:
+                lost = len(self.lost)
+                raise PeerDisconnectedError(
+                    f"server {self.endpoint} closed the connection with {lost} request(s) "
+                    f"unanswered while we waited for {waiting_for}: the server process died "
+                    "or restarted")
+            events = dict(poller.poll(int(deadline.left() * 1000)))
+            if not events:
                 raise PeerTimeoutError(
-                    f"no reply from server {self.endpoint} within "
-                    f"{self.timeout_s if timeout_s is None else timeout_s:.1f}s while waiting "
+                    f"no reply from server {self.endpoint} within {limit:.1f}s while waiting "
                     f"for {waiting_for}; check that the server is running and reachable, "
                     f"or raise {self.setting}")
+            if self.sock not in events:
+                continue
             frames = self.sock.recv_multipart(copy=False)
             self.bytes_received += sum(len(f) for f in frames)
             try:
@@ -62,7 +106,13 @@ class RpcChannel:
                 raise RemoteError(self.endpoint, msg.code, msg.message)
             return msg, rid
 
+    def forget(self, rids: set[int]) -> None:
+        """Stop expecting replies to ``rids`` (their requests were re-sent elsewhere)."""
+        self.pending -= rids
+        self.lost -= rids
+
     def call(self, msg: Message, timeout_s: float | None = None, waiting_for: str = "") -> Message:
+        """Send and wait for this one reply (use on a channel with nothing else in flight)."""
         rid = self.send(msg)
         while True:
             reply, got = self.recv(timeout_s, waiting_for or f"the reply to {msg.TYPE.name}")
@@ -70,6 +120,8 @@ class RpcChannel:
                 return reply
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
 
 

@@ -2,7 +2,8 @@
 
 Each sampling thread owns one :class:`WirePeers` (zmq sockets are not thread-safe). A request
 to several parts is sent to all of them first, then the replies are collected, each under the
-``peer_timeout_s`` deadline.
+``peer_timeout_s`` deadline. If a peer's connection drops or it misses the deadline, the
+request is re-sent to the part's next replica (the cluster file's order), once per replica.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import zmq
 from torch import Tensor
 
 from common.cluster import ClusterSpec
+from common.errors import PeerDisconnectedError, PeerTimeoutError
 from common.messages import NeighborsReply, NeighborsRequest, NodeDataReply, NodeDataRequest
 from common.rpc import RpcChannel, expect
 
@@ -39,12 +41,28 @@ class WirePeers:
             self.channels[part] = ch
         return ch
 
+    def _switch(self, part: int) -> RpcChannel:
+        """Drop the channel to ``part``'s current server and connect to its next replica."""
+        old = self.channels.pop(part, None)
+        if old is not None:
+            old.close()
+        return self._channel(part)
+
     def _scatter_gather(self, requests: dict[int, object], reply_cls: type) -> dict[int, object]:
         sent = {p: (self._channel(p), self._channel(p).send(msg)) for p, msg in requests.items()}
         out = {}
         for p, (ch, rid) in sent.items():
+            tries = len(self.cluster.partitions[p])
             while True:
-                reply, got = ch.recv(waiting_for=f"part {p}'s {reply_cls.__name__}")
+                try:
+                    reply, got = ch.recv(waiting_for=f"part {p}'s {reply_cls.__name__}")
+                except (PeerDisconnectedError, PeerTimeoutError):
+                    tries -= 1
+                    ch = self._switch(p)  # the next request starts on a fresh connection
+                    if tries <= 0:
+                        raise
+                    rid = ch.send(requests[p])
+                    continue
                 if got == rid:
                     out[p] = expect(reply, reply_cls, ch.endpoint)
                     break

@@ -42,6 +42,7 @@ class ServerProcess:
                 *extra]
         if cluster is not None:
             argv += ["--cluster", str(cluster)]
+        self.checked = False  # set once stop_and_check ran (the fixture skips it then)
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=REPO)
@@ -59,7 +60,8 @@ class ServerProcess:
         self.endpoint = self.ready.read_text().strip() or self.endpoint
 
     def stop_and_check(self, timeout: float = 20.0, expect_code: int | None = 0) -> int:
-        """SIGTERM (no-op if already gone), wait, and assert the exit code."""
+        """SIGTERM (no-op if already gone), wait, and assert the exit code (None: any)."""
+        self.checked = True
         if self.proc.poll() is None:
             self.proc.terminate()
         try:

@@ -152,6 +152,23 @@ def test_cora_partition_round_trip(cora, tmp_path, num_parts, method):
         assert loaded.stats["edge_cut_frac"] < 0.3  # random cuts ~ (1 - 1/k) of the edges
 
 
+@pytest.mark.timeout(60)
+def test_large_graph_sort_path(tmp_path, monkeypatch):
+    """Edge keys of large graphs are sorted with torch.sort; the result must be the same."""
+    import partition.partitioner as partitioner
+
+    g = generate(2000, avg_degree=6, feat_dim=4, num_classes=3, progress=False)
+    partition_graph(g, 3, tmp_path / "np", method="random", progress=False)
+    monkeypatch.setattr(partitioner, "_TORCH_SORT_MIN", 1)
+    partition_graph(g, 3, tmp_path / "torch", method="random", progress=False)
+    check_partition_set(g, tmp_path / "torch")
+    for p in range(3):
+        for name in ("indptr", "indices"):
+            a = np.load(tmp_path / "np" / f"part-{p}" / f"{name}.npy")
+            b = np.load(tmp_path / "torch" / f"part-{p}" / f"{name}.npy")
+            assert np.array_equal(a, b)
+
+
 @needs_cora
 @pytest.mark.timeout(60)
 def test_partition_refuses_to_clobber(cora, tmp_path):

@@ -1,13 +1,20 @@
 """The trainer's connections to the sampler servers (transport layer).
 
 One :class:`common.rpc.RpcChannel` per server endpoint; requests for a part go round-robin
-over its replicas. Replies can arrive in any order; :meth:`ServerPool.wait` returns the one
-asked for and buffers the others.
+over its replicas that are up. Replies can arrive in any order; :meth:`ServerPool.wait`
+returns the one asked for and buffers the others.
+
+Failover: when a server's connection drops (or it misses the ``--request-timeout-s``
+deadline) with a request in flight, :meth:`wait` re-sends that request to another replica of
+the same part. The old request id is forgotten, so a late reply to it is dropped: each
+request is answered, and each batch yielded, exactly once. With no replica left the error
+names the part, the endpoint and what to change.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,30 +22,45 @@ import torch
 import zmq
 
 from common.cluster import ClusterSpec
-from common.errors import MfgServeError
+from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError
 from common.messages import Message, Ping, Pong, SeedsReply, SeedsRequest, StatsReply, StatsRequest
 from common.rpc import RpcChannel, expect
+
+log = logging.getLogger("mfgserve.trainer")
 
 
 @dataclass
 class Handle:
+    """One request in flight: where it went, and what to re-send on failover."""
+
+    part: int
+    msg: Message
     channel: RpcChannel
     rid: int
     sent_at: float
+    attempts: int = 1
+
+
+class NoServerError(MfgServeError):
+    """Every server of a part is down or unresponsive."""
 
 
 class ServerPool:
     def __init__(self, cluster: ClusterSpec, *, timeout_s: float, max_message_bytes: int):
         self.ctx = zmq.Context()
         self.cluster = cluster
+        self.timeout_s = timeout_s
         setting = "--request-timeout-s"
         self.channels = {ep: RpcChannel(self.ctx, ep, timeout_s=timeout_s, setting=setting,
                                         max_message_bytes=max_message_bytes)
                          for _, ep in cluster.all_endpoints()}
         self._rr = {p: itertools.cycle(eps) for p, eps in cluster.partitions.items()}
         self._buffered: dict[tuple[str, int], Message] = {}
+        self._inflight: dict[tuple[str, int], Handle] = {}
         self.bytes_received = 0
+        self.failovers = 0
 
+    # ------------------------------------------------------------------ setup calls
     def info(self) -> Pong:
         """Ping every server; all must serve the same partition set, each the part listed."""
         pongs = {}
@@ -63,25 +85,70 @@ class ServerPool:
         """All parts' seeds of a split, in global id order."""
         out = []
         for part in sorted(self.cluster.partitions):
-            ep = next(self._rr[part])
-            reply = expect(self.channels[ep].call(SeedsRequest(split=split)), SeedsReply, ep)
-            out.append(reply.seeds.clone())
+            reply = self.wait(self.submit(part, SeedsRequest(split=split)))
+            out.append(expect(reply, SeedsReply, f"part {part}").seeds.clone())
         return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {ep: expect(ch.call(StatsRequest()), StatsReply, ep).values
                 for ep, ch in self.channels.items()}
 
+    # ------------------------------------------------------------------ requests
+    def _pick(self, part: int, avoid: RpcChannel | None = None) -> RpcChannel | None:
+        """Next replica of ``part`` that is up (not ``avoid``); None if there is none."""
+        eps = self.cluster.partitions[part]
+        for _ in range(len(eps)):
+            ch = self.channels[next(self._rr[part])]
+            ch.poll_events()
+            if ch is not avoid and ch.up:
+                return ch
+        return None
+
     def submit(self, part: int, msg: Message) -> Handle:
-        ch = self.channels[next(self._rr[part])]
-        return Handle(ch, ch.send(msg), time.perf_counter())
+        ch = self._pick(part) or self.channels[next(self._rr[part])]  # all down: try anyway
+        handle = Handle(part, msg, ch, ch.send(msg), time.perf_counter())
+        self._inflight[(ch.endpoint, handle.rid)] = handle
+        return handle
+
+    def _failover_channel(self, ch: RpcChannel, error: Exception) -> None:
+        """Re-send every request in flight on ``ch`` to another replica of its part."""
+        victims = [h for (ep, _), h in list(self._inflight.items()) if ep == ch.endpoint]
+        for handle in victims:
+            self._failover(handle, error)
+        ch.forget(set(ch.lost) | set(ch.pending))
+
+    def _failover(self, handle: Handle, error: Exception) -> None:
+        old = handle.channel
+        old.forget({handle.rid})
+        self._inflight.pop((old.endpoint, handle.rid), None)
+        replicas = len(self.cluster.partitions[handle.part])
+        target = self._pick(handle.part, avoid=old)
+        if target is None or handle.attempts > replicas:
+            raise NoServerError(
+                f"part {handle.part} has no server left to answer: {error}. "
+                f"{'No other replica is up' if replicas > 1 else 'It has no replica'} "
+                f"(cluster file lists {replicas} for it); restart the server(s) of part "
+                f"{handle.part} or add replicas to the cluster file") from error
+        log.warning("re-sending %s for part %d from %s to %s: %s", handle.msg.TYPE.name,
+                    handle.part, old.endpoint, target.endpoint, error)
+        self.failovers += 1
+        handle.channel, handle.rid = target, target.send(handle.msg)
+        handle.attempts += 1
+        self._inflight[(target.endpoint, handle.rid)] = handle
 
     def wait(self, handle: Handle) -> Message:
-        key = (handle.channel.endpoint, handle.rid)
-        while key not in self._buffered:
-            reply, rid = handle.channel.recv(waiting_for="a sampled mini-batch")
-            self._buffered[(handle.channel.endpoint, rid)] = reply
-        return self._buffered.pop(key)
+        """The reply to ``handle``, failing over to replicas as needed (see module doc)."""
+        while True:
+            key = (handle.channel.endpoint, handle.rid)
+            if key in self._buffered:
+                self._inflight.pop(key, None)
+                return self._buffered.pop(key)
+            ch = handle.channel
+            try:
+                reply, rid = ch.recv(waiting_for=f"the reply to {handle.msg.TYPE.name}")
+                self._buffered[(ch.endpoint, rid)] = reply
+            except (PeerDisconnectedError, PeerTimeoutError) as e:
+                self._failover_channel(ch, e)
 
     def close(self) -> None:
         if self.ctx.closed:

@@ -1,0 +1,127 @@
+"""Liveness with real servers: a replica dies mid-epoch and the epoch still covers every
+seed exactly once; without a replica the trainer fails fast with a clear error; a restarted
+server is used again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from common.cluster import ClusterSpec
+from common.errors import MfgServeError
+from common.messages import Ping, StatsReply, StatsRequest
+from common.rpc import RpcChannel
+from partition.layout import PartitionSetMeta
+from trainer_client.loader import DistNodeDataLoader
+from trainer_client.server_pool import ServerPool
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cluster(tmp_path, num_parts: int, replicas: int) -> tuple[ClusterSpec, object]:
+    cluster = ClusterSpec({p: [f"ipc://{tmp_path}/f{p}r{r}.sock" for r in range(replicas)]
+                           for p in range(num_parts)})
+    path = tmp_path / "cluster.yaml"
+    cluster.write(path)
+    return cluster, path
+
+
+PEER_TIMEOUT_S = 2.0  # servers' deadline for each other; the trainer's must be longer
+
+
+def _start(server_factory, parts, cluster: ClusterSpec, cluster_file) -> dict:
+    return {ep: server_factory(parts, p, cluster=cluster_file, endpoint=ep,
+                               extra=["--peer-timeout-s", str(PEER_TIMEOUT_S)])
+            for p, ep in cluster.all_endpoints()}
+
+
+def _loader(pool: ServerPool, parts, **kw) -> DistNodeDataLoader:
+    meta = PartitionSetMeta.load(parts)
+    seeds = pool.seeds("train")
+    return DistNodeDataLoader(pool, seeds, meta.node_offsets, fanouts=[5, 5], batch_size=40,
+                              max_inflight=6, shuffle=True, seed=3, **kw)
+
+
+def test_replica_death_mid_epoch_exactly_once(server_factory, synth_parts2, tmp_path):
+    cluster, path = _cluster(tmp_path, 2, replicas=2)
+    servers = _start(server_factory, synth_parts2, cluster, path)
+    victim_ep = cluster.partitions[0][0]
+    victim = servers[victim_ep]
+    pool = ServerPool(cluster, timeout_s=60, max_message_bytes=64 << 20)
+    try:
+        loader = _loader(pool, synth_parts2)
+        assert len(loader) >= 20
+        seen = []
+        killer = None
+        for i, (_, output_nodes, mfg) in enumerate(loader):
+            seen.append(output_nodes.clone())
+            assert torch.equal(mfg[-1].dstdata["_ID"], output_nodes)
+            if i == 3:
+                # Freeze the replica so requests pile up on it, then kill it while the
+                # loader waits: those requests must be re-sent to the other replica.
+                os.kill(victim.proc.pid, signal.SIGSTOP)
+                killer = threading.Timer(1.5, os.kill, (victim.proc.pid, signal.SIGKILL))
+                killer.start()
+        if killer is not None:
+            killer.join()
+        seen_all = torch.cat(seen)
+        # every training seed exactly once, retries included
+        assert seen_all.numel() == loader.seeds.numel()
+        assert torch.equal(torch.sort(seen_all).values, torch.sort(loader.seeds).values)
+        assert pool.failovers >= 1, "requests in flight on the dead replica were not re-sent"
+        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+
+        # A restarted server at the same endpoint is picked up again.
+        servers[victim_ep] = server_factory(synth_parts2, 0, cluster=path, endpoint=victim_ep)
+        loader.set_epoch(1)
+        deadline = time.monotonic() + 30
+        while not pool.channels[victim_ep].up and time.monotonic() < deadline:
+            pool.channels[victim_ep].poll_events()
+            time.sleep(0.05)
+        second = torch.cat([out.clone() for _, out, _ in loader])
+        assert torch.equal(torch.sort(second).values, torch.sort(loader.seeds).values)
+        stats = pool.channels[victim_ep].call(StatsRequest())
+        assert isinstance(stats, StatsReply) and stats.values["sample_requests"] > 0
+    finally:
+        pool.close()
+    victim.stop_and_check(expect_code=None)  # the killed one; the restarted one is checked
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_no_replica_fails_fast_with_clear_error(how, server_factory, synth_parts2, tmp_path):
+    cluster, path = _cluster(tmp_path, 2, replicas=1)
+    servers = _start(server_factory, synth_parts2, cluster, path)
+    victim_ep = cluster.partitions[1][0]
+    victim = servers[victim_ep]
+    timeout_s = 3 * PEER_TIMEOUT_S
+    pool = ServerPool(cluster, timeout_s=timeout_s, max_message_bytes=64 << 20)
+    try:
+        loader = _loader(pool, synth_parts2)
+        it = iter(loader)
+        next(it)
+        os.kill(victim.proc.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(MfgServeError) as err:
+            for _ in it:
+                pass
+        elapsed = time.monotonic() - t0
+        text = str(err.value)
+        # names what died and what to change; dead servers are noticed before any deadline,
+        # hung ones at a deadline: the other server's (naming the hung peer) or ours
+        assert victim_ep in text, text
+        assert elapsed < (3.0 if how == "sigkill" else timeout_s + 3), elapsed
+        # the healthy server keeps serving
+        ch = RpcChannel(pool.ctx, cluster.partitions[0][0], timeout_s=10, setting="test")
+        assert ch.call(Ping()).part_id == 0
+        ch.close()
+    finally:
+        pool.close()
+        if how == "sigstop":
+            os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    victim.stop_and_check(expect_code=None)
