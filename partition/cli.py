@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--halo-hops",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also store, per part, the complete in-edges and features of other parts' nodes "
+        "within K in-hops (0-3), so sampling hops 2..K+1 and their features need no "
+        "server-to-server request when they stay inside the halo; costs the halo's size "
+        "(default: %(default)s: the first hop is always local)",
+    )
+    p.add_argument(
         "--out",
         metavar="DIR",
         help="output directory of the partition set; must be new or empty (required unless "
@@ -272,12 +282,13 @@ def _summary_lines(meta, load_s: float, total_s: float) -> list[str]:
         f"{PROG}: {meta.dataset}: {meta.num_nodes:,} nodes, {meta.num_edges:,} directed edges, "
         f"{meta.feat_dim}-dim features, {meta.num_classes} classes -> {meta.num_parts} part(s) "
         f"({meta.method})",
-        f"  {'part':>4} {'nodes':>12} {'edges':>14} {'train':>10} {'cut edges':>12}",
+        f"  {'part':>4} {'nodes':>12} {'edges':>14} {'train':>10} {'cut edges':>12} "
+        f"{'halo nodes':>12} {'halo edges':>12}",
     ]
     for i, info in enumerate(meta.parts):
         lines.append(
             f"  {info.id:>4} {info.num_nodes:>12,} {info.num_edges:>14,} {info.num_train:>10,} "
-            f"{st['part_edge_cut'][i]:>12,}"
+            f"{st['part_edge_cut'][i]:>12,} {info.num_halo_nodes:>12,} {info.num_halo_edges:>12,}"
         )
     lines += [
         f"  edge cut: {meta.edge_cut:,} of {meta.num_edges:,} directed edges "
@@ -349,6 +360,7 @@ def _run(args: argparse.Namespace) -> dict:
             seed=args.seed,
             progress=progress,
             overwrite=args.force,
+            halo_hops=args.halo_hops,
         )
         total_s = time.perf_counter() - t0
         for line in _summary_lines(meta, load_s, total_s):
@@ -368,6 +380,9 @@ def _run(args: argparse.Namespace) -> dict:
             part_nodes=st["part_nodes"],
             part_edges=st["part_edges"],
             part_train=st["part_train"],
+            halo_hops=meta.halo_hops,
+            part_halo_nodes=st["part_halo_nodes"],
+            part_halo_edges=st["part_halo_edges"],
             partition_s=st["elapsed_s"],
         )
     result["total_s"] = round(time.perf_counter() - t0, 3)

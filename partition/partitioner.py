@@ -186,6 +186,35 @@ def _sort_keys(keys: np.ndarray) -> np.ndarray:
     return keys
 
 
+def _in_neighbours(keys: np.ndarray, g_indptr: np.ndarray, n: int,
+                   nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, sources) of the in-edges of ``nodes`` (new ids), from the sorted edge keys."""
+    starts, ends = g_indptr[nodes], g_indptr[nodes + 1]
+    counts = ends - starts
+    indptr = np.zeros(nodes.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    pos = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1], dtype=np.int64)
+    return indptr, np.remainder(keys[pos], n)
+
+
+def _halo_arrays(keys: np.ndarray, g_indptr: np.ndarray, n: int, lo: int, hi: int, hops: int,
+                 data: GraphData, new_to_orig: np.ndarray) -> dict[str, np.ndarray]:
+    """The halo of part [lo, hi): other parts' nodes within ``hops`` in-hops, with all their
+    in-edges, features and labels."""
+    frontier = np.arange(lo, hi, dtype=np.int64)
+    halo = np.empty(0, dtype=np.int64)
+    for _ in range(hops):
+        _, nbrs = _in_neighbours(keys, g_indptr, n, frontier)
+        nbrs = np.unique(nbrs)
+        nbrs = nbrs[(nbrs < lo) | (nbrs >= hi)]
+        frontier = np.setdiff1d(nbrs, halo, assume_unique=True)
+        halo = np.union1d(halo, frontier)
+    indptr, indices = _in_neighbours(keys, g_indptr, n, halo)
+    orig = new_to_orig[halo]
+    return {"halo_nodes": halo, "halo_indptr": indptr, "halo_indices": indices,
+            "halo_feat": data.feat[orig], "halo_label": data.label[orig]}
+
+
 def _balance(counts: np.ndarray) -> float:
     mean = float(np.mean(counts)) if counts.size else 0.0
     return float(np.max(counts) / mean) if mean > 0 else 1.0
@@ -217,8 +246,12 @@ def partition_graph(
     progress: bool = True,
     *,
     overwrite: bool = False,
+    halo_hops: int = 0,
 ) -> PartitionSetMeta:
     """Partition ``data`` into ``num_parts`` parts written under ``out``; return the metadata.
+
+    ``halo_hops=k`` also stores, per part, the complete in-edge lists and features of the
+    other parts' nodes within k in-hops of its own nodes (see partition.layout).
 
     ``out`` must be empty or new; an existing partition set there is replaced only with
     ``overwrite=True``. Raises :class:`PartitionError` for bad arguments, an unusable
@@ -229,6 +262,8 @@ def partition_graph(
         raise PartitionError(f"num_parts={num_parts} must be a positive integer")
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not isinstance(halo_hops, (int, np.integer)) or not 0 <= halo_hops <= 3:
+        raise PartitionError(f"halo_hops={halo_hops} must be 0, 1, 2 or 3")
     data.validate()
     n, num_parts = int(data.num_nodes), int(num_parts)
     if num_parts > n:
@@ -275,6 +310,8 @@ def partition_graph(
 
     # 3. write parts
     splits_new = {s: np.sort(orig_to_new[data.split(s)]) for s in layout.SPLITS}
+    g_indptr = (np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * n, side="left")
+                if halo_hops else None)
     infos, part_cut = [], []
     for p in tqdm(
         range(num_parts), desc=f"write parts to {out}", file=sys.stderr, disable=not progress
@@ -301,6 +338,9 @@ def partition_graph(
             ids = splits_new[s]
             a, b = np.searchsorted(ids, [lo_n, hi_n])
             arrays[s] = ids[a:b]
+        if halo_hops:
+            arrays.update(_halo_arrays(keys, g_indptr, n, lo_n, hi_n, halo_hops, data,
+                                       new_to_orig))
         infos.append(layout.write_part(out, p, arrays))
         part_cut.append(cut)
         del arrays, indices, indptr, bounds
@@ -321,6 +361,8 @@ def partition_graph(
         "part_edges": part_edges.tolist(),
         "part_train": part_train.tolist(),
         "part_edge_cut": part_cut,
+        "part_halo_nodes": [i.num_halo_nodes for i in infos],
+        "part_halo_edges": [i.num_halo_edges for i in infos],
         "assign_s": round(t_assign - t0, 3),
         "relabel_s": round(t_relabel - t_assign, 3),
         "write_s": round(t_write - t_relabel, 3),
@@ -338,7 +380,7 @@ def partition_graph(
         parts=infos,
         feat_dtype="float32",
         method=method,
-        halo_hops=0,
+        halo_hops=int(halo_hops),
         edge_cut=edge_cut,
         seed=int(seed),
         stats=stats,

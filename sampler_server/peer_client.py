@@ -41,6 +41,11 @@ class WirePeers:
             self.channels[part] = ch
         return ch
 
+    @property
+    def bytes_received(self) -> int:
+        """Reply bytes received from peers so far (channels closed on failover excluded)."""
+        return sum(ch.bytes_received for ch in self.channels.values())
+
     def _switch(self, part: int) -> RpcChannel:
         """Drop the channel to ``part``'s current server and connect to its next replica."""
         old = self.channels.pop(part, None)

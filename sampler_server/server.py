@@ -79,7 +79,7 @@ class SamplerServer:
         self.stats: dict[str, float] = {
             "requests": 0, "sample_requests": 0, "errors": 0, "busy": 0, "bytes_out": 0,
             "sample_s": 0.0, "gather_s": 0.0, "remote_s": 0.0, "encode_s": 0.0,
-            "remote_requests": 0, "seeds_served": 0,
+            "remote_requests": 0, "remote_bytes": 0, "seeds_served": 0,
         }
         self.stats_lock = threading.Lock()
         self.workers = [threading.Thread(target=self._worker, args=(i,), daemon=True,
@@ -211,6 +211,7 @@ class SamplerServer:
     def _serve_sample(self, msg: SampleRequest, rid: int, peers: WirePeers | None,
                       t_in: float, queue_s: float) -> list:
         timings = Timings()
+        peer_bytes0 = peers.bytes_received if peers else 0
         try:
             neighbors = DistributedNeighbors(self.store, peers, timings)
             mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
@@ -222,6 +223,9 @@ class SamplerServer:
                              feat=feat, label=label, timings={})
             reply.timings = {"sample_s": timings.sample_s, "gather_s": timings.gather_s,
                              "remote_s": timings.remote_s,
+                             "remote_requests": float(timings.remote_requests),
+                             "remote_bytes": float((peers.bytes_received if peers else 0)
+                                                   - peer_bytes0),
                              "queue_s": queue_s, "server_s": time.perf_counter() - t_in}
             frames = codec.encode(reply, rid)
             encode_s = time.perf_counter() - t0
@@ -233,6 +237,7 @@ class SamplerServer:
                 s["gather_s"] += timings.gather_s
                 s["remote_s"] += timings.remote_s
                 s["remote_requests"] += timings.remote_requests
+                s["remote_bytes"] += reply.timings["remote_bytes"]
                 s["encode_s"] += encode_s
                 s["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
             return frames

@@ -46,11 +46,12 @@ def synth_graph():
     return generate(3000, avg_degree=12, feat_dim=16, num_classes=5, seed=1, progress=False)
 
 
-def _parts(tmp_path_factory, graph, num_parts: int) -> Path:
+def _parts(tmp_path_factory, graph, num_parts: int, halo_hops: int = 0) -> Path:
     from partition.partitioner import partition_graph
 
-    out = tmp_path_factory.mktemp(f"parts{num_parts}")
-    partition_graph(graph, num_parts, str(out), method="metis", seed=0, progress=False)
+    out = tmp_path_factory.mktemp(f"parts{num_parts}h{halo_hops}")
+    partition_graph(graph, num_parts, str(out), method="metis", seed=0, progress=False,
+                    halo_hops=halo_hops)
     return out
 
 
@@ -62,6 +63,12 @@ def synth_parts1(tmp_path_factory, synth_graph) -> Path:
 @pytest.fixture(scope="session")
 def synth_parts2(tmp_path_factory, synth_graph) -> Path:
     return _parts(tmp_path_factory, synth_graph, 2)
+
+
+@pytest.fixture(scope="session")
+def synth_parts2_halo(tmp_path_factory, synth_graph) -> Path:
+    """Two parts, each with a 1-hop halo."""
+    return _parts(tmp_path_factory, synth_graph, 2, halo_hops=1)
 
 
 @pytest.fixture(scope="session")

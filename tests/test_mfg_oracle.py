@@ -102,11 +102,12 @@ def mixed_seeds(parts: Path, count: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(rng.permutation(np.concatenate(picks)).astype(np.int64))
 
 
-@pytest.mark.parametrize("num_parts", [1, 2, 4])
-def test_mfg_matches_graph(num_parts, request, server_factory, synth_graph, tmp_path):
-    parts = request.getfixturevalue(f"synth_parts{num_parts}")
+@pytest.mark.parametrize("num_parts,halo", [(1, False), (2, False), (4, False), (2, True)])
+def test_mfg_matches_graph(num_parts, halo, request, server_factory, synth_graph, tmp_path):
+    parts = request.getfixturevalue(f"synth_parts{num_parts}" + ("_halo" if halo else ""))
     cluster = start_cluster(server_factory, parts, tmp_path, num_parts)
     oracle = Oracle(synth_graph, parts)
+    remote: dict[bool, float] = {}
     ctx = zmq.Context()
     try:
         for p, ep in cluster.all_endpoints():
@@ -118,9 +119,34 @@ def test_mfg_matches_graph(num_parts, request, server_factory, synth_graph, tmp_
                 reply = ch.call(SampleRequest(seeds=seeds, fanouts=fanouts))
                 assert isinstance(reply, MFGReply)
                 oracle.check(reply, seeds, fanouts)
+                remote[halo] = remote.get(halo, 0) + reply.timings["remote_requests"]
             ch.close()
     finally:
         ctx.term()
+    if num_parts == 1:
+        assert remote[halo] == 0
+
+
+def test_halo_holds_complete_in_edges(synth_graph, synth_parts2_halo):
+    """Each halo node's stored in-edges are exactly its in-edges in the graph; halo nodes are
+    other parts' in-neighbours of the part's nodes."""
+    from partition.layout import load_partition
+
+    oracle = Oracle(synth_graph, synth_parts2_halo)
+    for p in range(2):
+        part = load_partition(synth_parts2_halo, p)
+        lo, hi = part.meta.node_offsets[p], part.meta.node_offsets[p + 1]
+        halo = np.asarray(part.halo_nodes)
+        assert halo.size > 0 and ((halo < lo) | (halo >= hi)).all()
+        owned_nbrs = np.unique(np.asarray(part.indices))
+        want_halo = owned_nbrs[(owned_nbrs < lo) | (owned_nbrs >= hi)]
+        assert np.array_equal(halo, want_halo)
+        indptr, indices = np.asarray(part.halo_indptr), np.asarray(part.halo_indices)
+        for i in range(0, halo.size, max(1, halo.size // 50)):
+            got = np.sort(indices[indptr[i]:indptr[i + 1]])
+            want = np.sort(oracle.src[oracle.dst == halo[i]])
+            assert np.array_equal(got, want)
+        np.testing.assert_array_equal(part.halo_feat, synth_graph.feat[oracle.n2o[halo]])
 
 
 def test_neighbour_choice_uniform_across_parts(server_factory, synth_graph, synth_parts2,

@@ -153,6 +153,9 @@ def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
         stages = dict(zip(["server_sample_s", "server_gather_s", "server_remote_s",
                            "server_queue_s", "server_total_s", "trainer_wait_s", "h2d_s",
                            "forward_backward_s"], [round(v, 4) for v in stage_vals]))
+        remote_requests, remote_bytes = _all_sum(
+            [st.server.get("remote_requests", 0.0), st.server.get("remote_bytes", 0.0)],
+            ddp, device)
         pool.close()
         bytes_rx = _all_sum([pool.bytes_received], ddp, device)[0]
         summary = {
@@ -168,6 +171,9 @@ def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
             "dataset": info.dataset,
             "batches_per_epoch_per_trainer": len(train_loader),
             "bytes_received": int(bytes_rx),
+            "server_to_server_requests": int(remote_requests),
+            "server_to_server_bytes": int(remote_bytes),
+            "failovers": pool.failovers,
             "device": str(device),
             "stages_s": stages,
             "final_loss": round(history[-1]["loss"], 4) if history else None,
