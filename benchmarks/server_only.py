@@ -1,0 +1,207 @@
+"""One mfgserve sampler server alone: sample + gather throughput, no training.
+
+A real ``sampler_server.main`` process serves part 0 of a partition set (with a cluster file
+and one server per part when the set has several parts; only part 0 is asked). This process
+is the client: it keeps ``inflight`` :class:`~common.messages.SampleRequest` s outstanding on
+one :class:`~common.rpc.RpcChannel` until ``num_batches`` replies (full MFG + input features +
+seed labels) have arrived. Seeds are part 0's training seeds, shuffled, ``batch_size`` a batch.
+
+Figures (after ``warmup`` untimed replies): ``batches_per_s``, ``seeds_per_s``, ``mb_per_s``
+(reply bytes received, 10^6 bytes/s) and ``input_nodes_per_batch``; ``server_stats`` holds the
+server's own per-stage seconds (sample / gather / encode) over all requests. The servers are
+stopped with a ``Shutdown`` message and their exit codes are checked (``exit_codes``,
+``clean_exit``); SIGTERM / SIGKILL only if they do not exit in time (``teardown``).
+
+Run alone: ``python -m benchmarks.server_only --parts DIR``; the last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from common.cluster import ClusterSpec
+from common.messages import (
+    MFGReply,
+    Ping,
+    Pong,
+    SampleRequest,
+    SeedsReply,
+    SeedsRequest,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+)
+from common.rpc import RpcChannel, expect
+from deploy.processes import ProcessGroup
+from partition.layout import PartitionSetMeta
+
+
+class ServerBenchError(RuntimeError):
+    """A server did not start, failed a request, or did not exit cleanly."""
+
+
+def _wait_ready(group: ProcessGroup, ready_files: list[Path], timeout_s: float) -> list[str]:
+    """Endpoints written by each server once serving; fail fast if one exits."""
+    deadline = time.monotonic() + timeout_s
+    for child, ready in zip(group.children, ready_files, strict=True):
+        while not ready.is_file():
+            if child.proc.poll() is not None:
+                raise ServerBenchError(
+                    f"{child.name} exited with code {child.proc.returncode} during startup; "
+                    f"its last output:\n{child.last_lines()}")
+            if time.monotonic() > deadline:
+                raise ServerBenchError(f"{child.name} did not become ready within "
+                                       f"{timeout_s:.0f}s; raise --startup-timeout-s")
+            time.sleep(0.05)
+    return [f.read_text().strip() for f in ready_files]
+
+
+def _batches(seeds: torch.Tensor, batch_size: int, seed: int):
+    """Endless stream of shuffled batches: each epoch a fresh permutation, unique seeds."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        perm = seeds[torch.randperm(seeds.numel(), generator=g)]
+        yield from torch.split(perm, batch_size)
+
+
+def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
+                   num_batches: int, inflight: int = 4, server_workers: int = 2,
+                   warmup: int = 2, seed: int = 0, startup_timeout_s: float = 120.0,
+                   request_timeout_s: float = 120.0, max_message_mb: int = 512) -> dict:
+    """Start the server(s), stream ``num_batches`` sampled batches, stop them; see module doc."""
+    meta = PartitionSetMeta.load(parts_dir)
+    run_dir = Path(tempfile.mkdtemp(prefix="mfgserve-bench-"))
+    group = ProcessGroup()
+    endpoints: list[str] = []
+    ctx = zmq.Context()
+    ch: RpcChannel | None = None
+    try:
+        cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}.sock"] for p in range(meta.num_parts)})
+        cluster_file = run_dir / "cluster.yaml"
+        cluster.write(cluster_file)
+        ready_files = [run_dir / f"ready-{p}" for p in range(meta.num_parts)]
+        for p, ep in cluster.all_endpoints():
+            argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts_dir),
+                    "--part-id", str(p), "--bind", ep, "--ready-file", str(ready_files[p]),
+                    "--num-workers", str(server_workers), "--max-queue", str(max(64, inflight)),
+                    "--max-message-mb", str(max_message_mb), "--seed", str(seed + p)]
+            if meta.num_parts > 1:
+                argv += ["--cluster", str(cluster_file)]
+            group.spawn(f"server p{p}", argv)
+        t_spawn = time.perf_counter()
+        endpoints = _wait_ready(group, ready_files, startup_timeout_s)
+        startup_s = time.perf_counter() - t_spawn
+
+        ep = endpoints[0]
+        ch = RpcChannel(ctx, ep, timeout_s=request_timeout_s, setting="--request-timeout-s",
+                        max_message_bytes=max_message_mb << 20)
+        expect(ch.call(Ping()), Pong, ep)
+        train = expect(ch.call(SeedsRequest(split="train")), SeedsReply, ep).seeds.clone()
+        if train.numel() == 0:
+            raise ServerBenchError(f"part 0 of {parts_dir} has no training seeds to sample")
+        stream = _batches(train, batch_size, seed)
+        total = num_batches + warmup
+        sent = received = seeds_done = input_nodes = 0
+        bytes0 = 0
+        t0 = time.perf_counter()
+        while sent < min(inflight, total):
+            ch.send(SampleRequest(seeds=next(stream), fanouts=list(fanouts)))
+            sent += 1
+        while received < total:
+            reply = expect(ch.recv(waiting_for="a sampled MFG")[0], MFGReply, ep)
+            received += 1
+            if received == warmup:  # timing starts once the warm-up replies are in
+                t0, bytes0 = time.perf_counter(), ch.bytes_received
+            elif received > warmup:
+                seeds_done += reply.label.numel()
+                input_nodes += reply.input_nodes.numel()
+            del reply
+            if sent < total:
+                ch.send(SampleRequest(seeds=next(stream), fanouts=list(fanouts)))
+                sent += 1
+        if warmup == 0:
+            bytes0 = 0
+        elapsed = time.perf_counter() - t0
+        nbytes = ch.bytes_received - bytes0
+        stats = expect(ch.call(StatsRequest()), StatsReply, ep).values
+        result = {
+            "parts": meta.num_parts,
+            "servers": len(endpoints),
+            "server_workers": server_workers,
+            "inflight": inflight,
+            "batches": num_batches,
+            "seeds": seeds_done,
+            "elapsed_s": round(elapsed, 3),
+            "batches_per_s": round(num_batches / max(elapsed, 1e-9), 3),
+            "seeds_per_s": round(seeds_done / max(elapsed, 1e-9), 1),
+            "mb_per_s": round(nbytes / max(elapsed, 1e-9) / 1e6, 2),
+            "input_nodes_per_batch": round(input_nodes / max(num_batches, 1), 1),
+            "startup_s": round(startup_s, 3),
+            "server_stats": {k: (round(v, 4) if k.endswith("_s") else int(v))
+                             for k, v in stats.items()
+                             if k in ("sample_requests", "sample_s", "gather_s", "remote_s",
+                                      "encode_s", "busy", "errors", "bytes_out")},
+        }
+    finally:
+        if ch is not None:
+            ch.close()
+        result_stop = _stop(ctx, group, endpoints)
+        ctx.term()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    result.update(result_stop)
+    if not result["clean_exit"]:
+        raise ServerBenchError(f"servers did not exit cleanly: {result_stop}")
+    return result
+
+
+def _stop(ctx: zmq.Context, group: ProcessGroup, endpoints: list[str],
+          timeout_s: float = 10.0) -> dict:
+    """Send Shutdown to every server, wait for them to exit, escalate if they do not."""
+    acked = 0
+    for ep in endpoints:
+        ch = RpcChannel(ctx, ep, timeout_s=timeout_s, setting="shutdown timeout")
+        try:
+            ch.call(Shutdown(), timeout_s=timeout_s)
+            acked += 1
+        except Exception as e:  # counted below; escalation still stops the process
+            print(f"server-only: no Ack to Shutdown from {ep}: {e}", file=sys.stderr)
+        finally:
+            ch.close()
+    group.wait_all(group.alive(), time.monotonic() + timeout_s)
+    group.teardown(timeout_s)  # SIGTERM / SIGKILL only for a server still alive
+    codes = [c.proc.returncode for c in group.children]
+    return {"exit_codes": codes, "shutdown_acked": acked, "teardown": group.escalation,
+            "clean_exit": bool(codes) and all(c == 0 for c in codes)
+            and group.escalation == "none" and acked == len(endpoints)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.server_only",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", required=True, help="partition set directory")
+    p.add_argument("--fanouts", default="15,10,5", help="input layer first (default 15,10,5)")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--num-batches", type=int, default=40)
+    p.add_argument("--inflight", type=int, default=4, help="requests kept in flight")
+    p.add_argument("--server-workers", type=int, default=2, help="sampling threads per server")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    fanouts = [int(x) for x in args.fanouts.split(",")]
+    result = measure_server(args.parts, fanouts, args.batch_size, args.num_batches,
+                            inflight=args.inflight, server_workers=args.server_workers,
+                            seed=args.seed)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
