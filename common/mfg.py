@@ -15,6 +15,7 @@ codec on receipt and by tests against DGL):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -34,6 +35,8 @@ class Block:
         self.srcdata: dict[str, Tensor] = {}
         self.dstdata: dict[str, Tensor] = {}
         self._dst_index: Tensor | None = None
+        self._mean_adj: Tensor | None = None
+        self._mean_adj_t: Tensor | None = None
 
     def num_src_nodes(self) -> int:
         return self._num_src
@@ -58,6 +61,32 @@ class Block:
                 torch.arange(self._num_dst, device=self.indptr.device), self.in_degrees(),
                 output_size=self.num_edges())
         return self._dst_index
+
+    def mean_adj(self) -> Tensor:
+        """A as sparse CSR [num_dst, num_src], A[i, j] = 1/in_degree(i) per sampled edge j -> i.
+
+        ``A @ h_src`` is the mean over each destination's sampled in-neighbours (0 where it
+        has none). Built once per block and device.
+        """
+        if self._mean_adj is None or self._mean_adj.device != self.indices.device:
+            deg = self.in_degrees()
+            vals = torch.repeat_interleave(1.0 / deg.clamp(min=1).to(torch.float32), deg,
+                                           output_size=self.num_edges())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "CSR support is in beta"
+                self._mean_adj = torch.sparse_csr_tensor(
+                    self.indptr, self.indices, vals, size=(self._num_dst, self._num_src))
+            self._mean_adj_t = None
+        return self._mean_adj
+
+    def mean_adj_t(self) -> Tensor:
+        """A^T as sparse CSR (for backward passes that need gradients w.r.t. sources)."""
+        a = self.mean_adj()
+        if self._mean_adj_t is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self._mean_adj_t = a.t().to_sparse_csr()
+        return self._mean_adj_t
 
     def edges(self) -> tuple[Tensor, Tensor]:
         """(source positions, destination positions) of every edge."""
