@@ -6,7 +6,10 @@ YAML::
       0: [tcp://10.0.0.1:15550, tcp://10.0.0.2:15550]   # two replicas of part 0
       1: [tcp://10.0.0.3:15550]
 
-Every part 0..P-1 must be listed with at least one endpoint.
+Every part 0..P-1 must be listed with at least one endpoint. With CurveZMQ authentication
+the file also names the servers' public key (written by ``mfgserve-keys``)::
+
+    curve_server_key: keys/server.key
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from common.errors import ConfigError
 @dataclass
 class ClusterSpec:
     partitions: dict[int, list[str]]
+    curve_server_key: str = ""
 
     @property
     def num_parts(self) -> int:
@@ -31,7 +35,10 @@ class ClusterSpec:
         return [(p, ep) for p in sorted(self.partitions) for ep in self.partitions[p]]
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump({"partitions": {p: list(v) for p, v in self.partitions.items()}})
+        data: dict = {"partitions": {p: list(v) for p, v in self.partitions.items()}}
+        if self.curve_server_key:
+            data["curve_server_key"] = self.curve_server_key
+        return yaml.safe_dump(data)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
@@ -49,10 +56,14 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, data: object, where: str) -> ClusterSpec:
-        if not isinstance(data, dict) or set(data) != {"partitions"} or not isinstance(
-            data["partitions"], dict
-        ):
-            raise ConfigError(f"{where}: expected a mapping 'partitions: {{0: [endpoint, ...]}}'")
+        if (not isinstance(data, dict) or "partitions" not in data
+                or not set(data) <= {"partitions", "curve_server_key"}
+                or not isinstance(data["partitions"], dict)):
+            raise ConfigError(f"{where}: expected a mapping 'partitions: {{0: [endpoint, ...]}}' "
+                              "and optionally 'curve_server_key: FILE'")
+        server_key = data.get("curve_server_key", "")
+        if not isinstance(server_key, str):
+            raise ConfigError(f"{where}: curve_server_key must be a file path")
         parts: dict[int, list[str]] = {}
         for key, eps in data["partitions"].items():
             if isinstance(key, bool) or not isinstance(key, int) or key < 0:
@@ -68,4 +79,6 @@ class ClusterSpec:
             parts[key] = eps
         if sorted(parts) != list(range(len(parts))):
             raise ConfigError(f"{where}: partitions must be numbered 0..P-1, got {sorted(parts)}")
-        return cls(parts)
+        if server_key and not Path(server_key).is_absolute():
+            server_key = str(Path(where).parent / server_key)  # relative to the cluster file
+        return cls(parts, server_key)

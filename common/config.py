@@ -64,6 +64,12 @@ class ServerConfig:
     )
     seed: int = opt(0, "random seed of the neighbour sampler")
     ready_file: str = opt("", "write the bound endpoint to this file once serving (launchers)")
+    curve_secret_key: str = opt(
+        "", "CurveZMQ: the servers' secret key file (server.key_secret from mfgserve-keys); "
+        "enables authentication and encryption; needs --curve-authorized-keys")
+    curve_authorized_keys: str = opt(
+        "", "CurveZMQ: directory of public key files (*.key) of the clients allowed to connect "
+        "(trainers, and the servers' own key for server-to-server requests)")
 
     def validate(self) -> None:
         if not self.parts:
@@ -77,6 +83,8 @@ class ServerConfig:
         if self.peer_timeout_s <= 0:
             raise ConfigError(f"--peer-timeout-s must be > 0, got {self.peer_timeout_s}")
         _check_endpoint(self.bind, "--bind")
+        if bool(self.curve_secret_key) != bool(self.curve_authorized_keys):
+            raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
 
 
 @dataclass
@@ -112,6 +120,9 @@ class TrainerConfig:
     progress: bool = opt(True, "show tqdm progress bars (rank 0, on stderr)")
     summary_out: str = opt("", "also write the JSON summary to this file")
     max_message_mb: int = opt(512, "largest message accepted, in MiB")
+    curve_secret_key: str = opt(
+        "", "CurveZMQ: this trainer's secret key file (NAME.key_secret from mfgserve-keys); "
+        "the servers' public key comes from the cluster file's curve_server_key")
 
     def validate(self) -> None:
         if not self.cluster:
@@ -160,12 +171,15 @@ class WorkerModeConfig:
     startup_timeout_s: float = opt(120.0, "seconds to wait for every server to answer a ping")
     shutdown_timeout_s: float = opt(10.0, "seconds to wait for children to exit before killing")
     trainer: TrainerConfig = field(
-        default_factory=TrainerConfig, metadata={"help": "trainer options", "flatten": True}
+        default_factory=TrainerConfig,
+        metadata={"help": "trainer options", "flatten": True,
+                  "skip": ("cluster", "summary_out", "curve_secret_key")}
     )
     server: ServerConfig = field(
         default_factory=ServerConfig,
         metadata={"help": "server options", "prefix": "server-",
-                  "skip": ("parts", "part_id", "bind", "cluster", "ready_file")},
+                  "skip": ("parts", "part_id", "bind", "cluster", "ready_file",
+                           "curve_secret_key", "curve_authorized_keys")},
     )
 
     def validate(self) -> None:

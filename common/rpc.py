@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import codec
 from common.errors import PeerDisconnectedError, PeerTimeoutError, ProtocolError, RemoteError
 from common.messages import ErrorReply, Message
-from common.sockets import Deadline, make_socket
+from common.sockets import CurveKeys, Deadline, make_socket
 
 _ids = itertools.count(1)
 
@@ -31,13 +31,14 @@ class RpcChannel:
     """A DEALER connected to ``endpoint``. Not thread-safe: one owner thread per channel."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *, timeout_s: float, setting: str,
-                 max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, hwm: int = 1000):
+                 max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, hwm: int = 1000,
+                 curve: CurveKeys | None = None):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.setting = setting
         self.max_message_bytes = max_message_bytes
         self.sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, hwm=hwm,
-                                max_message_bytes=max_message_bytes)
+                                max_message_bytes=max_message_bytes, curve=curve)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.pending: set[int] = set()
         self.lost: set[int] = set()
@@ -84,7 +85,8 @@ class RpcChannel:
                 raise PeerDisconnectedError(
                     f"server {self.endpoint} closed the connection with {lost} request(s) "
                     f"unanswered while we waited for {waiting_for}: the server process died "
-                    "or restarted")
+                    "or restarted, or it refused this client (with CurveZMQ: check that this "
+                    "client's key is authorized and the cluster file's curve_server_key)")
             events = dict(poller.poll(int(deadline.left() * 1000)))
             if not events:
                 raise PeerTimeoutError(

@@ -4,22 +4,66 @@ outside the server/client process wrappers. It knows nothing of graphs."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.auth
 
-from common.errors import PeerTimeoutError
+from common.errors import ConfigError, PeerTimeoutError
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ keys of one socket: its own keypair and, for a client, the server's public key.
+
+    Key files are those written by ``mfgserve-keys`` (zmq's certificate format):
+    ``NAME.key`` holds a public key, ``NAME.key_secret`` the public and secret keys.
+    """
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+    @classmethod
+    def load(cls, secret_file: str, server_public_file: str | None = None) -> CurveKeys:
+        public, secret = _load_cert(secret_file, need_secret=True)
+        server = _load_cert(server_public_file, need_secret=False)[0] if server_public_file else None
+        return cls(public, secret or b"", server)
+
+
+def _load_cert(path: str, need_secret: bool) -> tuple[bytes, bytes | None]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"key file {p} does not exist; create keys with `mfgserve-keys`")
+    try:
+        public, secret = zmq.auth.load_certificate(str(p))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"key file {p} is not a CurveZMQ certificate: {e}") from e
+    if need_secret and not secret:
+        raise ConfigError(f"key file {p} holds no secret key; pass the NAME.key_secret file")
+    return public, secret
 
 
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
                 hwm: int = 1000, linger_ms: int = 0, identity: bytes | None = None,
-                max_message_bytes: int = -1) -> zmq.Socket:
+                max_message_bytes: int = -1, curve: CurveKeys | None = None) -> zmq.Socket:
     """One socket, bound or connected, with linger, high-water marks and a size cap set.
 
     ``linger_ms=0`` makes close() never block on unsent messages; ``max_message_bytes``
-    (ZMQ_MAXMSGSIZE) makes libzmq drop peers that send anything larger.
+    (ZMQ_MAXMSGSIZE) makes libzmq drop peers that send anything larger. With ``curve``, the
+    socket is a CurveZMQ server (no ``server_public``) or client (with it): traffic is
+    encrypted and a server accepts only clients its authenticator allows.
     """
     sock = ctx.socket(kind)
+    if curve is not None:
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+        if curve.server_public is None:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = curve.server_public
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

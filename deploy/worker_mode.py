@@ -135,7 +135,7 @@ def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: in
             "--rank", str(rank), "--world-size", str(cfg.num_trainers),
             "--local-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
     for key, value in to_dict(t).items():
-        if key in ("cluster", "summary_out", "progress"):
+        if key in ("cluster", "summary_out", "progress", "curve_secret_key"):
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, list):

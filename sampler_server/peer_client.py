@@ -17,11 +17,13 @@ from common.cluster import ClusterSpec
 from common.errors import PeerDisconnectedError, PeerTimeoutError
 from common.messages import NeighborsReply, NeighborsRequest, NodeDataReply, NodeDataRequest
 from common.rpc import RpcChannel, expect
+from common.sockets import CurveKeys
 
 
 class WirePeers:
     def __init__(self, ctx: zmq.Context, cluster: ClusterSpec, own_part: int, timeout_s: float,
-                 max_message_bytes: int):
+                 max_message_bytes: int, curve: CurveKeys | None = None):
+        self.curve = curve
         self.ctx = ctx
         self.cluster = cluster
         self.own_part = own_part
@@ -37,7 +39,7 @@ class WirePeers:
                 raise RuntimeError(f"cluster file lists no server for part {part}")
             ch = RpcChannel(self.ctx, next(self._rr[part]), timeout_s=self.timeout_s,
                             setting="the servers' --peer-timeout-s",
-                            max_message_bytes=self.max_message_bytes)
+                            max_message_bytes=self.max_message_bytes, curve=self.curve)
             self.channels[part] = ch
         return ch
 

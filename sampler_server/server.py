@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -48,7 +49,7 @@ from common.messages import (
     StatsReply,
     StatsRequest,
 )
-from common.sockets import bound_endpoint, make_socket
+from common.sockets import CurveKeys, bound_endpoint, make_socket
 from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
 from sampler_server.partition_store import PartitionStore
 from sampler_server.peer_client import WirePeers
@@ -68,8 +69,30 @@ class SamplerServer:
                 f"partition set {cfg.parts} has {self.store.meta.num_parts}; fix the cluster file")
         self.server_id = uuid.uuid4().hex[:8]
         self.ctx = zmq.Context()
+        self.authenticator = None
+        server_keys = self.peer_keys = None
+        if cfg.curve_secret_key:
+            server_keys = CurveKeys.load(cfg.curve_secret_key)
+            if not Path(cfg.curve_authorized_keys).is_dir():
+                raise MfgServeError(f"--curve-authorized-keys {cfg.curve_authorized_keys} is not "
+                                    "a directory of client public keys")
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self.authenticator = ThreadAuthenticator(self.ctx)
+            self.authenticator.start()
+            self.authenticator.configure_curve(domain="*",
+                                               location=cfg.curve_authorized_keys)
+            if self.cluster is not None:
+                if not self.cluster.curve_server_key:
+                    raise MfgServeError(f"cluster file {cfg.cluster} has no curve_server_key, "
+                                        "but this server uses CurveZMQ; add it")
+                # Towards its peers a server is a client with its own keypair.
+                self.peer_keys = CurveKeys(server_keys.public, server_keys.secret,
+                                           CurveKeys.load(cfg.curve_secret_key,
+                                                          self.cluster.curve_server_key
+                                                          ).server_public)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, cfg.bind, bind=True, hwm=10000,
-                                    max_message_bytes=self.max_bytes)
+                                    max_message_bytes=self.max_bytes, curve=server_keys)
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.endpoint = bound_endpoint(self.frontend)
         self.results_ep = f"inproc://results-{self.server_id}"
@@ -194,7 +217,7 @@ class SamplerServer:
     def _worker(self, index: int) -> None:
         push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
         peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id, self.cfg.peer_timeout_s,
-                           self.max_bytes) if self.cluster else None)
+                           self.max_bytes, curve=self.peer_keys) if self.cluster else None)
         try:
             while not self.stop_event.is_set():
                 try:
@@ -264,5 +287,7 @@ class SamplerServer:
                 w.join(timeout=self.cfg.peer_timeout_s + 1)
         self.frontend.close(0)
         self.results.close(0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         if not any(w.is_alive() for w in self.workers):
             self.ctx.term()  # else a thread still holds a socket; process exit reclaims it

@@ -25,6 +25,7 @@ from common.cluster import ClusterSpec
 from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError
 from common.messages import Message, Ping, Pong, SeedsReply, SeedsRequest, StatsReply, StatsRequest
 from common.rpc import RpcChannel, expect
+from common.sockets import CurveKeys
 
 log = logging.getLogger("mfgserve.trainer")
 
@@ -46,13 +47,14 @@ class NoServerError(MfgServeError):
 
 
 class ServerPool:
-    def __init__(self, cluster: ClusterSpec, *, timeout_s: float, max_message_bytes: int):
+    def __init__(self, cluster: ClusterSpec, *, timeout_s: float, max_message_bytes: int,
+                 curve: CurveKeys | None = None):
         self.ctx = zmq.Context()
         self.cluster = cluster
         self.timeout_s = timeout_s
         setting = "--request-timeout-s"
         self.channels = {ep: RpcChannel(self.ctx, ep, timeout_s=timeout_s, setting=setting,
-                                        max_message_bytes=max_message_bytes)
+                                        max_message_bytes=max_message_bytes, curve=curve)
                          for _, ep in cluster.all_endpoints()}
         self._rr = {p: itertools.cycle(eps) for p, eps in cluster.partitions.items()}
         self._buffered: dict[tuple[str, int], Message] = {}

@@ -22,6 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cluster import ClusterSpec
 from common.config import TrainerConfig, to_dict
+from common.errors import ConfigError
+from common.sockets import CurveKeys
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.model import GraphSAGE
 from trainer_client.server_pool import ServerPool
@@ -92,8 +94,18 @@ def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
             backend, init_method=f"tcp://{ddp.master_addr}:{ddp.master_port}", rank=ddp.rank,
             world_size=ddp.world_size, timeout=timedelta(seconds=ddp.timeout_s))
     show = cfg.progress and ddp.rank == 0
-    pool = ServerPool(ClusterSpec.load(cfg.cluster), timeout_s=cfg.request_timeout_s,
-                      max_message_bytes=cfg.max_message_mb << 20)
+    cluster = ClusterSpec.load(cfg.cluster)
+    curve = None
+    if cfg.curve_secret_key:
+        if not cluster.curve_server_key:
+            raise ConfigError(f"--curve-secret-key is set but cluster file {cfg.cluster} has no "
+                              "curve_server_key (the servers' public key file); add it")
+        curve = CurveKeys.load(cfg.curve_secret_key, cluster.curve_server_key)
+    elif cluster.curve_server_key:
+        raise ConfigError(f"cluster file {cfg.cluster} names curve_server_key: its servers "
+                          "require CurveZMQ; pass this trainer's key with --curve-secret-key")
+    pool = ServerPool(cluster, timeout_s=cfg.request_timeout_s,
+                      max_message_bytes=cfg.max_message_mb << 20, curve=curve)
     try:
         info = pool.info()
         splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
