@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                       "num_parts": m.num_parts, "part_nodes": server.store.end - server.store.start,
                       "dataset": m.dataset}), file=sys.stderr, flush=True)
     server.serve_forever()
+    if server.fatal:
+        print(f"sampler-server: error: {server.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -40,25 +40,43 @@ class Timings:
     extra: dict = field(default_factory=dict)
 
 
-def relabel(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+def relabel(dst: Tensor, src: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Compact ids: returns ``(nodes, src_local)`` where ``nodes`` lists ``dst`` first (in
-    order, assumed unique) followed by the new ids of ``src`` in first-appearance order, and
-    ``src_local[i]`` is the position of ``src[i]`` in ``nodes``."""
-    both = torch.cat([dst, src])
-    uniq, inv = torch.unique(both, return_inverse=True)
-    first = torch.full((uniq.numel(),), both.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inv, torch.arange(both.numel()), reduce="amin")
-    order = torch.argsort(first)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel())
-    return uniq[order], rank[inv[dst.numel():]]
+    order, assumed unique) followed by the other ids of ``src`` (sorted, each once), and
+    ``src_local[i]`` is the position of ``src[i]`` in ``nodes``.
+
+    ``scratch`` (int64, one slot per global node, all -1) makes this O(len) with no hashing
+    or full sort; it is returned all -1 again. Without it, a sort-based version is used.
+    """
+    if scratch is None:
+        new = torch.unique(src[~torch.isin(src, dst)])
+        nodes = torch.cat([dst, new])
+        uniq, inv = torch.unique(nodes, return_inverse=True)
+        pos = torch.empty_like(inv)
+        pos[inv] = torch.arange(nodes.numel())
+        return nodes, pos[torch.searchsorted(uniq, src)]
+    nd = dst.numel()
+    scratch[dst] = torch.arange(nd)
+    cand = src[scratch[src] < 0]
+    # Any one write per repeated id wins; exactly one position per distinct id then reads
+    # back its own index, which picks each distinct new id once.
+    slots = torch.arange(cand.numel())
+    scratch[cand] = slots
+    new = torch.sort(cand[scratch[cand] == slots]).values  # sorted: gathers read memory in order
+    scratch[new] = torch.arange(nd, nd + new.numel())
+    src_local = scratch[src]
+    nodes = torch.cat([dst, new])
+    scratch[nodes] = -1
+    return nodes, src_local
 
 
 class DistributedNeighbors:
-    def __init__(self, store: PartitionStore, peers: Peers | None, timings: Timings):
+    def __init__(self, store: PartitionStore, peers: Peers | None, timings: Timings,
+                 scratch: Tensor | None = None):
         self.store = store
         self.peers = peers
         self.timings = timings
+        self.scratch = scratch  # per-thread relabel buffer, see relabel()
 
     def _split(self, nodes: Tensor) -> dict[int, Tensor]:
         """Positions of ``nodes`` grouped by the part that answers for them: this store for
@@ -156,7 +174,7 @@ def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbor
     for fanout in reversed(fanouts):
         counts, src = neighbors.sample(nodes, fanout)
         t0 = time.perf_counter()
-        all_nodes, src_local = relabel(nodes, src)
+        all_nodes, src_local = relabel(nodes, src, neighbors.scratch)
         indptr = torch.zeros(nodes.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])
         layers.append((all_nodes.numel(), nodes.numel(), indptr, src_local))

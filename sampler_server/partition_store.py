@@ -50,11 +50,14 @@ class PartitionStore:
 
     def _sampling_graph(self, indptr: np.ndarray, indices: np.ndarray):
         """A bipartite DGL graph: all N global ids as sources -> the listed nodes as dst."""
-        return self.dgl.heterograph(
+        graph = self.dgl.heterograph(
             {("src", "e", "dst"): ("csc", (_as_tensor(indptr), _as_tensor(indices),
                                            torch.empty(0, dtype=torch.int64)))},
             num_nodes_dict={"src": self.meta.num_nodes, "dst": len(indptr) - 1},
         )
+        self._indptr = getattr(self, "_indptr", {})
+        self._indptr[id(graph)] = _as_tensor(indptr)
+        return graph
 
     def owner_of(self, gids: Tensor) -> Tensor:
         return torch.searchsorted(self.node_offsets, gids, right=True) - 1
@@ -95,12 +98,23 @@ class PartitionStore:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
         sg = self.dgl.sampling.sample_neighbors(graph, {"dst": local}, fanout)
         src, dst = sg.edges()
-        # Position of each edge's destination within ``local`` (local ids are unique).
+        # DGL returns each node's edges together, in the order of ``local``, and exactly
+        # min(in-degree, fanout) of them: check that cheaply (O(edges)) and skip the sort.
+        counts = self._expected_counts(graph, local, fanout)
+        if int(counts.sum()) == dst.numel() and torch.equal(
+                dst, torch.repeat_interleave(local, counts, output_size=dst.numel())):
+            return counts, src
+        # Otherwise group the edges by destination, in the order of ``local`` (unique ids).
         order = torch.argsort(local)
         pos = order[torch.searchsorted(local[order], dst)]
         counts = torch.bincount(pos, minlength=local.numel())
         perm = torch.argsort(pos, stable=True)
         return counts, src[perm]
+
+    def _expected_counts(self, graph, local: Tensor, fanout: int) -> Tensor:
+        indptr = self._indptr[id(graph)]
+        deg = indptr[local + 1] - indptr[local]
+        return deg if fanout == -1 else deg.clamp(max=fanout)
 
     def sample_neighbors(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
         """Uniformly sample up to ``fanout`` in-neighbours (without replacement; -1: all) of
@@ -125,6 +139,14 @@ class PartitionStore:
     def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
         """Features and labels of held nodes, rows in the order of ``nodes`` (empty tensors
         where not asked for)."""
+        if not self.has_halo and nodes.numel() and (
+                int(nodes.min()) >= self.start and int(nodes.max()) < self.end):
+            local = nodes - self.start  # fast path: all owned
+            feat = (self.feat.index_select(0, local) if with_feat
+                    else self.feat.new_empty((0, self.feat.shape[1])))
+            label = (self.label.index_select(0, local) if with_label
+                     else torch.empty(0, dtype=torch.int64))
+            return feat, label
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         n = nodes.numel()
         feat = torch.empty((n if with_feat else 0, self.feat.shape[1]), dtype=self.feat.dtype)

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from common import codec
@@ -99,6 +100,7 @@ class SamplerServer:
         self.results = make_socket(self.ctx, zmq.PULL, self.results_ep, bind=True, hwm=0)
         self.jobs: queue.Queue = queue.Queue(maxsize=cfg.max_queue)
         self.stop_event = threading.Event()
+        self.fatal: str | None = None  # set when the server must stop because it broke
         self.stats: dict[str, float] = {
             "requests": 0, "sample_requests": 0, "errors": 0, "busy": 0, "bytes_out": 0,
             "sample_s": 0.0, "gather_s": 0.0, "remote_s": 0.0, "encode_s": 0.0,
@@ -215,28 +217,41 @@ class SamplerServer:
 
     # ------------------------------------------------------------------ sampler threads
     def _worker(self, index: int) -> None:
-        push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
-        peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id, self.cfg.peer_timeout_s,
-                           self.max_bytes, curve=self.peer_keys) if self.cluster else None)
+        """One sampling thread. Errors inside a request become error replies; anything that
+        breaks the thread itself stops the whole server (exit code 1), so that clients see
+        a dropped connection and fail over instead of waiting on a server that cannot work."""
+        push = peers = None
         try:
+            push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
+            peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id,
+                               self.cfg.peer_timeout_s, self.max_bytes, curve=self.peer_keys)
+                     if self.cluster else None)
+            scratch = torch.full((self.store.meta.num_nodes,), -1, dtype=torch.int64)
             while not self.stop_event.is_set():
                 try:
                     ident, msg, rid, t_in = self.jobs.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                frames = self._serve_sample(msg, rid, peers, t_in, time.perf_counter() - t_in)
+                frames = self._serve_sample(msg, rid, peers, scratch, t_in,
+                                            time.perf_counter() - t_in)
                 push.send_multipart([ident, *frames], copy=False)
+        except Exception as e:
+            log.exception("part %d: sampler thread %d failed; stopping the server",
+                          self.cfg.part_id, index)
+            self.fatal = f"sampler thread {index} failed: {type(e).__name__}: {e}"
+            self.stop_event.set()
         finally:
             if peers:
                 peers.close()
-            push.close(0)
+            if push is not None:
+                push.close(0)
 
     def _serve_sample(self, msg: SampleRequest, rid: int, peers: WirePeers | None,
-                      t_in: float, queue_s: float) -> list:
+                      scratch: torch.Tensor, t_in: float, queue_s: float) -> list:
         timings = Timings()
         peer_bytes0 = peers.bytes_received if peers else 0
         try:
-            neighbors = DistributedNeighbors(self.store, peers, timings)
+            neighbors = DistributedNeighbors(self.store, peers, timings, scratch)
             mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
             feat, _ = neighbors.gather(mfg.input_nodes, msg.with_feat, False)
             _, label = neighbors.gather(msg.seeds, False, msg.with_label)

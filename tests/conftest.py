@@ -90,6 +90,12 @@ def server_factory(tmp_path):
         return proc
 
     yield start
-    for p in started:
+    errors = []
+    for p in started:  # stop every server, then report the first failure
         if not p.checked:
-            p.stop_and_check()
+            try:
+                p.stop_and_check()
+            except AssertionError as e:
+                errors.append(e)
+    if errors:
+        raise errors[0]

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 import zmq
+from procs import run_cli
 
 from common.cluster import ClusterSpec
 from common.errors import PeerDisconnectedError, PeerTimeoutError
 from common.messages import MFGReply, Ping, Pong, SampleRequest
 from common.rpc import RpcChannel
 from common.sockets import CurveKeys
-from procs import run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,7 +57,7 @@ def test_only_authorized_clients_are_answered(server_factory, synth_parts2, tmp_
             "unlisted client key": CurveKeys.load(intruder["secret"], server["public"]),
             "wrong server key": CurveKeys.load(trainer["secret"], wrong_server["public"]),
         }
-        for what, curve in attempts.items():
+        for _what, curve in attempts.items():
             ch = RpcChannel(ctx, ep0, timeout_s=2, setting="test", curve=curve)
             try:
                 # refused: the handshake fails, so no reply ever comes (a dropped connection
