@@ -273,7 +273,8 @@ def test_ddp_rank_death_surviving_rank_exits(how, server_factory, synth_parts2, 
         err = ranks[0].stderr(25)
         print(f"\n[{how}] rank 0 exited with {code} {elapsed:.1f}s after rank 1's {how}; "
               f"stderr tail:\n{err}")
-        assert code != 0, f"rank 0 exited 0 although its peer died:\n{err}"
+        assert code == 2, f"rank 0 should stop with a clear error (exit 2), got {code}:\n{err}"
+        assert "--ddp-timeout-s" in err and "rank 0" in err and "Traceback" not in err, err
         assert elapsed < RANK0_EXIT_LIMIT_S, f"rank 0 took {elapsed:.1f}s to give up:\n{err}"
         assert not ranks[0].out.read_text().strip(), "a failed job must not print a summary"
 

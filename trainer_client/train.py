@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cluster import ClusterSpec
 from common.config import TrainerConfig, to_dict
-from common.errors import ConfigError
+from common.errors import ConfigError, MfgServeError
 from common.sockets import CurveKeys
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.model import GraphSAGE
@@ -79,8 +79,36 @@ def evaluate(model, loader: DistNodeDataLoader, ddp: DDPSetup, device, progress:
     return c / max(t, 1.0)
 
 
+class DDPPeerError(MfgServeError):
+    """A DDP collective failed: another rank died, hung, or the network between ranks broke."""
+
+
 def run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
-    """Train and evaluate; returns the summary dict (identical on every rank)."""
+    """Train and evaluate; returns the summary dict (identical on every rank).
+
+    A failed DDP collective (a peer rank died: the connection closes at once; or hung: after
+    ``ddp.timeout_s``) is raised as :class:`DDPPeerError` naming this rank and the setting.
+    """
+    try:
+        return _run_trainer(cfg, ddp)
+    except RuntimeError as e:
+        if ddp.world_size > 1 and _is_collective_failure(e):
+            raise DDPPeerError(
+                f"rank {ddp.rank}: a DDP collective with the other {ddp.world_size - 1} "
+                f"rank(s) failed ({str(e).splitlines()[0]}); another trainer died, hung for "
+                f"more than --ddp-timeout-s ({ddp.timeout_s:.0f}s), or became unreachable. "
+                "Check the other ranks' logs; restart the job") from e
+        raise
+
+
+def _is_collective_failure(e: RuntimeError) -> bool:
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistBackendError", ())) or any(
+        k in text for k in ("gloo", "NCCL", "Connection closed by peer", "Timed out",
+                            "Connection reset"))
+
+
+def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     if cfg.num_threads:
