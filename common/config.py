@@ -63,6 +63,12 @@ class ServerConfig:
         30.0, "seconds to wait for another server's reply before failing the request"
     )
     seed: int = opt(0, "random seed of the neighbour sampler")
+    heartbeat_s: float = opt(
+        1.0, "seconds between heartbeats on every connection (to trainers and other servers); "
+        "0 turns heartbeats off")
+    heartbeat_timeout_s: float = opt(
+        5.0, "a peer that answers no heartbeat for this many seconds is treated as dead: its "
+        "connection is dropped (requests in flight to it fail over)")
     ready_file: str = opt("", "write the bound endpoint to this file once serving (launchers)")
     curve_secret_key: str = opt(
         "", "CurveZMQ: the servers' secret key file (server.key_secret from mfgserve-keys); "
@@ -83,6 +89,7 @@ class ServerConfig:
         if self.peer_timeout_s <= 0:
             raise ConfigError(f"--peer-timeout-s must be > 0, got {self.peer_timeout_s}")
         _check_endpoint(self.bind, "--bind")
+        _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)
         if bool(self.curve_secret_key) != bool(self.curve_authorized_keys):
             raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
 
@@ -120,6 +127,11 @@ class TrainerConfig:
     progress: bool = opt(True, "show tqdm progress bars (rank 0, on stderr)")
     summary_out: str = opt("", "also write the JSON summary to this file")
     max_message_mb: int = opt(512, "largest message accepted, in MiB")
+    heartbeat_s: float = opt(
+        1.0, "seconds between heartbeats to each server; 0 turns heartbeats off")
+    heartbeat_timeout_s: float = opt(
+        5.0, "a server that answers no heartbeat for this many seconds is treated as dead: "
+        "requests in flight to it are re-sent to a replica (or the trainer stops)")
     curve_secret_key: str = opt(
         "", "CurveZMQ: this trainer's secret key file (NAME.key_secret from mfgserve-keys); "
         "the servers' public key comes from the cluster file's curve_server_key")
@@ -149,6 +161,7 @@ class TrainerConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.request_timeout_s <= 0:
             raise ConfigError("--request-timeout-s must be > 0")
+        _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)
 
 
 @dataclass
@@ -201,6 +214,12 @@ class WorkerModeConfig:
         # The launcher writes the cluster file itself; check everything else now.
         dataclasses.replace(self.trainer, cluster="<launcher>").validate()
         dataclasses.replace(self.server, parts="<launcher>").validate()
+
+
+def _check_heartbeat(interval: float, timeout: float) -> None:
+    if interval < 0 or (interval > 0 and timeout < interval):
+        raise ConfigError(f"need --heartbeat-s >= 0 and --heartbeat-timeout-s >= --heartbeat-s, "
+                          f"got {interval} and {timeout}")
 
 
 def _check_endpoint(ep: str, flag: str) -> None:

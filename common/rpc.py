@@ -4,7 +4,8 @@ A channel may have several requests in flight; replies carry the request id and 
 in any order. Every receive has a deadline; errors name the endpoint and the setting to change.
 
 Liveness: a socket monitor reports when the connection to the server drops (the process died
-or restarted: the kernel closes its sockets). Requests in flight at that moment can never be
+or restarted: the kernel closes its sockets; or, with heartbeats on, it stopped answering
+libzmq's pings within the heartbeat timeout: frozen, or unreachable). Requests in flight at that moment can never be
 answered, so they move to :attr:`RpcChannel.lost` and :meth:`RpcChannel.recv` raises
 :class:`PeerDisconnectedError` at once instead of waiting out the deadline. libzmq reconnects
 by itself; a restarted server at the same endpoint is used again with no action needed.
@@ -32,13 +33,15 @@ class RpcChannel:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *, timeout_s: float, setting: str,
                  max_message_bytes: int = codec.DEFAULT_MAX_MESSAGE_BYTES, hwm: int = 1000,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, heartbeat_s: float = 0.0,
+                 heartbeat_timeout_s: float = 0.0):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.setting = setting
         self.max_message_bytes = max_message_bytes
         self.sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, hwm=hwm,
-                                max_message_bytes=max_message_bytes, curve=curve)
+                                max_message_bytes=max_message_bytes, curve=curve,
+                                heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.pending: set[int] = set()
         self.lost: set[int] = set()

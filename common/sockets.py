@@ -48,8 +48,13 @@ def _load_cert(path: str, need_secret: bool) -> tuple[bytes, bytes | None]:
 
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
                 hwm: int = 1000, linger_ms: int = 0, identity: bytes | None = None,
-                max_message_bytes: int = -1, curve: CurveKeys | None = None) -> zmq.Socket:
+                max_message_bytes: int = -1, curve: CurveKeys | None = None,
+                heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 0.0) -> zmq.Socket:
     """One socket, bound or connected, with linger, high-water marks and a size cap set.
+
+    ``heartbeat_s`` > 0 makes libzmq ping the peer every ``heartbeat_s`` seconds and drop the
+    connection when nothing comes back within ``heartbeat_timeout_s`` (ZMTP heartbeats, run
+    by libzmq's IO thread): a dead or frozen peer then shows up as a disconnect.
 
     ``linger_ms=0`` makes close() never block on unsent messages; ``max_message_bytes``
     (ZMQ_MAXMSGSIZE) makes libzmq drop peers that send anything larger. With ``curve``, the
@@ -57,6 +62,10 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
     encrypted and a server accepts only clients its authenticator allows.
     """
     sock = ctx.socket(kind)
+    if heartbeat_s > 0:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
     if curve is not None:
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret

@@ -123,7 +123,9 @@ def _server_argv(cfg: WorkerModeConfig, parts: str, part: int, endpoint: str,
             str(part), "--bind", endpoint, "--cluster", str(cluster_file),
             "--num-workers", str(s.num_workers), "--max-queue", str(s.max_queue),
             "--max-message-mb", str(s.max_message_mb), "--peer-timeout-s",
-            str(s.peer_timeout_s), "--seed", str(s.seed + part)]
+            str(s.peer_timeout_s), "--seed", str(s.seed + part),
+            "--heartbeat-s", str(s.heartbeat_s), "--heartbeat-timeout-s",
+            str(s.heartbeat_timeout_s)]
 
 
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,

@@ -22,8 +22,10 @@ from common.sockets import CurveKeys
 
 class WirePeers:
     def __init__(self, ctx: zmq.Context, cluster: ClusterSpec, own_part: int, timeout_s: float,
-                 max_message_bytes: int, curve: CurveKeys | None = None):
+                 max_message_bytes: int, curve: CurveKeys | None = None,
+                 heartbeat: tuple[float, float] = (0.0, 0.0)):
         self.curve = curve
+        self.heartbeat = heartbeat
         self.ctx = ctx
         self.cluster = cluster
         self.own_part = own_part
@@ -39,7 +41,8 @@ class WirePeers:
                 raise RuntimeError(f"cluster file lists no server for part {part}")
             ch = RpcChannel(self.ctx, next(self._rr[part]), timeout_s=self.timeout_s,
                             setting="the servers' --peer-timeout-s",
-                            max_message_bytes=self.max_message_bytes, curve=self.curve)
+                            max_message_bytes=self.max_message_bytes, curve=self.curve,
+                            heartbeat_s=self.heartbeat[0], heartbeat_timeout_s=self.heartbeat[1])
             self.channels[part] = ch
         return ch
 

@@ -93,7 +93,9 @@ class SamplerServer:
                                                           self.cluster.curve_server_key
                                                           ).server_public)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, cfg.bind, bind=True, hwm=10000,
-                                    max_message_bytes=self.max_bytes, curve=server_keys)
+                                    max_message_bytes=self.max_bytes, curve=server_keys,
+                                    heartbeat_s=cfg.heartbeat_s,
+                                    heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.endpoint = bound_endpoint(self.frontend)
         self.results_ep = f"inproc://results-{self.server_id}"
@@ -224,7 +226,8 @@ class SamplerServer:
         try:
             push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
             peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id,
-                               self.cfg.peer_timeout_s, self.max_bytes, curve=self.peer_keys)
+                               self.cfg.peer_timeout_s, self.max_bytes, curve=self.peer_keys,
+                               heartbeat=(self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s))
                      if self.cluster else None)
             scratch = torch.full((self.store.meta.num_nodes,), -1, dtype=torch.int64)
             while not self.stop_event.is_set():

@@ -125,3 +125,31 @@ def test_no_replica_fails_fast_with_clear_error(how, server_factory, synth_parts
             os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(timeout=10)
     victim.stop_and_check(expect_code=None)
+
+
+def test_frozen_replica_detected_by_heartbeat(server_factory, synth_parts2, tmp_path):
+    """A replica that stops answering (SIGSTOP: connection open, process frozen) is dropped
+    after the heartbeat timeout, long before the request deadline, and the epoch completes."""
+    cluster, path = _cluster(tmp_path, 2, replicas=2)
+    servers = _start(server_factory, synth_parts2, cluster, path)
+    victim = servers[cluster.partitions[1][0]]
+    pool = ServerPool(cluster, timeout_s=120, max_message_bytes=64 << 20, heartbeat_s=0.5,
+                      heartbeat_timeout_s=2.0)
+    try:
+        loader = _loader(pool, synth_parts2)
+        seen, t_freeze = [], None
+        for i, (_, out, _) in enumerate(loader):
+            seen.append(out.clone())
+            if i == 2:
+                os.kill(victim.proc.pid, signal.SIGSTOP)
+                t_freeze = time.monotonic()
+        elapsed = time.monotonic() - t_freeze
+        seen_all = torch.cat(seen)
+        assert torch.equal(torch.sort(seen_all).values, torch.sort(loader.seeds).values)
+        assert pool.failovers >= 1
+        assert elapsed < 60, f"took {elapsed:.1f}s: the frozen server was not dropped early"
+    finally:
+        pool.close()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    victim.stop_and_check(expect_code=None)

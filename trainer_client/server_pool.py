@@ -48,13 +48,16 @@ class NoServerError(MfgServeError):
 
 class ServerPool:
     def __init__(self, cluster: ClusterSpec, *, timeout_s: float, max_message_bytes: int,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, heartbeat_s: float = 0.0,
+                 heartbeat_timeout_s: float = 0.0):
         self.ctx = zmq.Context()
         self.cluster = cluster
         self.timeout_s = timeout_s
         setting = "--request-timeout-s"
         self.channels = {ep: RpcChannel(self.ctx, ep, timeout_s=timeout_s, setting=setting,
-                                        max_message_bytes=max_message_bytes, curve=curve)
+                                        max_message_bytes=max_message_bytes, curve=curve,
+                                        heartbeat_s=heartbeat_s,
+                                        heartbeat_timeout_s=heartbeat_timeout_s)
                          for _, ep in cluster.all_endpoints()}
         self._rr = {p: itertools.cycle(eps) for p, eps in cluster.partitions.items()}
         self._buffered: dict[tuple[str, int], Message] = {}

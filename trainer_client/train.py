@@ -133,7 +133,8 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
         raise ConfigError(f"cluster file {cfg.cluster} names curve_server_key: its servers "
                           "require CurveZMQ; pass this trainer's key with --curve-secret-key")
     pool = ServerPool(cluster, timeout_s=cfg.request_timeout_s,
-                      max_message_bytes=cfg.max_message_mb << 20, curve=curve)
+                      max_message_bytes=cfg.max_message_mb << 20, curve=curve,
+                      heartbeat_s=cfg.heartbeat_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
     try:
         info = pool.info()
         splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
