@@ -5,12 +5,39 @@ A failing child fails the test with its last stderr lines (the model: PyG's
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+DDP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+           "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 right now (held open together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's DDP variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in DDP_ENV}
+    env.update(extra)
+    return env
 
 
 def tail(path: Path, n: int = 30) -> str:

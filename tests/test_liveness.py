@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,14 +24,12 @@ import psutil
 import pytest
 import torch
 import zmq
-from procs import REPO, ServerProcess, tail
+from procs import REPO, ServerProcess, clean_env, free_ports, tail
 
 from common.cluster import ClusterSpec
 from common.messages import MFGReply, Ping, Pong, SampleRequest, StatsReply, StatsRequest
 from common.rpc import RpcChannel, expect
 
-DDP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-           "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 LONG_JOB = ["--epochs", "1000", "--batch-size", "64", "--fanouts", "5,5", "--no-progress",
             "--max-inflight", "8", "--num-threads", "1"]
 SHORT_JOB = ["--epochs", "2", "--batch-size", "64", "--fanouts", "5,5", "--no-progress",
@@ -44,24 +40,6 @@ RPC_TIMEOUT_S = 10.0
 # --------------------------------------------------------------------------- helpers
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 right now (held open together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in DDP_ENV}
-    env.update(extra)
-    return env
 
 
 def _tcp_cluster(server_factory, parts: Path, tmp_path: Path,
@@ -190,12 +168,12 @@ def _assert_same_servers(ctx, servers: list[ServerProcess], pongs_before: list[P
 
 @pytest.mark.timeout(180)
 def test_trainer_sigkill_leaves_servers_clean(server_factory, synth_parts2, tmp_path):
-    cluster, servers = _tcp_cluster(server_factory, synth_parts2, tmp_path, _free_ports(2))
+    cluster, servers = _tcp_cluster(server_factory, synth_parts2, tmp_path, free_ports(2))
     ctx = zmq.Context()
     try:
         pongs = [_ping(ctx, s) for s in servers]
         doomed = Trainer(tmp_path, "doomed", cluster, [*LONG_JOB, "--world-size", "1"],
-                         _clean_env())
+                         clean_env())
         try:
             _wait_sampling(ctx, servers, [doomed], at_least=1)
             doomed.proc.send_signal(signal.SIGKILL)  # up to 8 requests in flight right now
@@ -214,7 +192,7 @@ def test_trainer_sigkill_leaves_servers_clean(server_factory, synth_parts2, tmp_
 
         # A new job against the same servers runs to completion.
         fresh = Trainer(tmp_path, "fresh", cluster, [*SHORT_JOB, "--world-size", "1"],
-                        _clean_env())
+                        clean_env())
         try:
             code = fresh.wait(120)
         finally:
@@ -244,7 +222,7 @@ DDP_TIMEOUT_S = 20
 def test_ddp_rank_death_surviving_rank_exits(how, server_factory, synth_parts2, tmp_path):
     """SIGKILL: gloo sees the connection close. SIGSTOP (a hung rank, sockets still open):
     only ``--ddp-timeout-s`` can end rank 0's collective."""
-    *server_ports, master_port = _free_ports(3)
+    *server_ports, master_port = free_ports(3)
     cluster, servers = _tcp_cluster(server_factory, synth_parts2, tmp_path, server_ports)
     ctx = zmq.Context()
     try:
@@ -252,7 +230,7 @@ def test_ddp_rank_death_surviving_rank_exits(how, server_factory, synth_parts2, 
         ranks = []
         try:
             for rank in range(2):
-                env = _clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
                 ranks.append(Trainer(tmp_path, f"rank{rank}", cluster,
                                      [*LONG_JOB, "--ddp-timeout-s", str(DDP_TIMEOUT_S)], env))

@@ -14,8 +14,6 @@ sockets, a cluster file written first, and training jobs that come and go.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 import zmq
 from netns import Host, NetnsLab, list_namespaces, netns_hosts
-from procs import REPO, ServerProcess, tail
+from procs import REPO, ServerProcess, clean_env, free_ports, tail
 
 from common.cluster import ClusterSpec
 from common.messages import Ping, Pong, StatsReply, StatsRequest
@@ -35,29 +33,9 @@ TRAIN_ARGS = ["--epochs", "2", "--batch-size", "256", "--fanouts", "5,5", "--no-
               "--num-threads", "1"]
 NUM_CLASSES = 5  # synth_graph in conftest: chance accuracy is 0.2
 MIN_ACC = 0.45
-DDP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-           "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 JOB_TIMEOUT_S = 120.0
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 right now (held open together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in DDP_ENV}
-    env.update(extra)
-    return env
 
 
 def _trainer_argv(cluster: Path, *extra: str) -> list[str]:
@@ -135,7 +113,7 @@ def _ping_and_stats(ctx: zmq.Context, endpoint: str) -> tuple[Pong, dict[str, fl
 
 @pytest.mark.timeout(240)
 def test_servers_outlive_two_jobs_on_tcp(synth_parts2, server_factory, tmp_path):
-    ports = _free_ports(3)
+    ports = free_ports(3)
     cluster = tmp_path / "cluster.yaml"
     ClusterSpec({p: [f"tcp://127.0.0.1:{ports[p]}"] for p in (0, 1)}).write(cluster)
     servers = [server_factory(synth_parts2, p, cluster=cluster,
@@ -148,7 +126,7 @@ def test_servers_outlive_two_jobs_on_tcp(synth_parts2, server_factory, tmp_path)
         # Job 1: one trainer, rank flags on the command line.
         job1 = Job(tmp_path, "job1")
         job1.start(subprocess.Popen, _trainer_argv(cluster, *TRAIN_ARGS, "--world-size", "1"),
-                   _clean_env())
+                   clean_env())
         (out1,) = job1.wait()
         _check_summary(_summary(out1, "job 1"), 1)
         after1 = {}
@@ -164,7 +142,7 @@ def test_servers_outlive_two_jobs_on_tcp(synth_parts2, server_factory, tmp_path)
         # Job 2: two trainers configured the torchrun way (environment only, no rank flags).
         job2 = Job(tmp_path, "job2")
         for rank in range(2):
-            env = _clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+            env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[2]))
             job2.start(subprocess.Popen, _trainer_argv(cluster, *TRAIN_ARGS), env)
         out_rank0, out_rank1 = job2.wait()
@@ -241,7 +219,7 @@ def test_multi_host_over_tcp_between_namespaces(synth_parts2, tmp_path):
 
             job = Job(tmp_path, "netns")
             for rank in range(2):
-                env = _clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                                  MASTER_ADDR=trainer_host.ip, MASTER_PORT="29555")
                 job.start(in_trainer_host, _trainer_argv(cluster, *TRAIN_ARGS), env)
             out_rank0, out_rank1 = job.wait()
@@ -251,7 +229,7 @@ def test_multi_host_over_tcp_between_namespaces(synth_parts2, tmp_path):
             # From the trainer host: both servers still answer, and both served samples.
             probe = in_trainer_host([sys.executable, "-c", STATS_SNIPPET, *endpoints],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    cwd=REPO, env=_clean_env())
+                                    cwd=REPO, env=clean_env())
             out, err = probe.communicate(timeout=60)
             assert probe.returncode == 0, err[-3000:]
             stats = json.loads(out.strip().splitlines()[-1])
@@ -276,13 +254,13 @@ def test_multi_host_over_tcp_between_namespaces(synth_parts2, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_trainer_fails_fast_when_no_server_listens(tmp_path):
-    port_a, port_b = _free_ports(2)  # nothing listens on either
+    port_a, port_b = free_ports(2)  # nothing listens on either
     endpoint = f"tcp://127.0.0.1:{port_a}"
     cluster = tmp_path / "cluster.yaml"
     ClusterSpec({0: [endpoint], 1: [f"tcp://127.0.0.1:{port_b}"]}).write(cluster)
     t0 = time.monotonic()
     proc = subprocess.run(_trainer_argv(cluster, *TRAIN_ARGS, "--request-timeout-s", "3"),
-                          capture_output=True, text=True, timeout=90, cwd=REPO, env=_clean_env(),
+                          capture_output=True, text=True, timeout=90, cwd=REPO, env=clean_env(),
                           stdin=subprocess.DEVNULL)
     elapsed = time.monotonic() - t0
     assert proc.returncode not in (0, None), proc.stdout[-2000:]
