@@ -26,25 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import zmq
-
 from common.cluster import ClusterSpec
 from common.config import WorkerModeConfig, add_config_args, load_config, to_dict
 from common.errors import MfgServeError
-from common.messages import Ping, Shutdown
-from common.rpc import RpcChannel
 from deploy.processes import ProcessGroup, free_tcp_port
+from deploy.server_group import (
+    Interrupted,
+    LaunchError,
+    server_argv,
+    shutdown_servers,
+    wait_ready,
+)
 from partition.layout import PartitionFormatError, PartitionSetMeta
-
-
-class LaunchError(MfgServeError):
-    """A child failed or never became ready; the message names it."""
-
-
-class Interrupted(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,18 +109,6 @@ def _partition_into(out: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _server_argv(cfg: WorkerModeConfig, parts: str, part: int, endpoint: str,
-                 cluster_file: Path) -> list[str]:
-    s = cfg.server
-    return [sys.executable, "-m", "sampler_server.main", "--parts", parts, "--part-id",
-            str(part), "--bind", endpoint, "--cluster", str(cluster_file),
-            "--num-workers", str(s.num_workers), "--max-queue", str(s.max_queue),
-            "--max-message-mb", str(s.max_message_mb), "--peer-timeout-s",
-            str(s.peer_timeout_s), "--seed", str(s.seed + part),
-            "--heartbeat-s", str(s.heartbeat_s), "--heartbeat-timeout-s",
-            str(s.heartbeat_timeout_s)]
-
-
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
                   summary_file: Path) -> list[str]:
     t = cfg.trainer
@@ -153,54 +134,6 @@ def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: in
     return argv
 
 
-def _wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s: float) -> None:
-    """Ping every server until it answers, failing fast if one exits."""
-    ctx = zmq.Context()
-    deadline = time.monotonic() + timeout_s
-    try:
-        for name, ep in endpoints:
-            ch = RpcChannel(ctx, ep, timeout_s=1.0, setting="--startup-timeout-s")
-            try:
-                while True:
-                    dead = group.failed() or next((c for c in group.children
-                                                   if c.proc.poll() is not None), None)
-                    if dead is not None:
-                        raise LaunchError(
-                            f"{dead.name} (pid {dead.pid}) exited with code "
-                            f"{dead.proc.returncode} during startup; its last output:\n"
-                            f"{dead.last_lines()}")
-                    if time.monotonic() > deadline:
-                        raise LaunchError(f"{name} at {ep} did not answer a ping within "
-                                          f"{timeout_s:.0f}s; raise --startup-timeout-s")
-                    try:
-                        ch.call(Ping(), timeout_s=1.0)
-                        break
-                    except TimeoutError:
-                        ch.close()  # drop the unanswered ping; start a fresh connection
-                        ch = RpcChannel(ctx, ep, timeout_s=1.0, setting="--startup-timeout-s")
-            finally:
-                ch.close()
-    finally:
-        ctx.term()
-
-
-def _shutdown_servers(endpoints: list[tuple[str, str]]) -> None:
-    ctx = zmq.Context()
-    try:
-        chans = [RpcChannel(ctx, ep, timeout_s=2.0, setting="--shutdown-timeout-s")
-                 for _, ep in endpoints]
-        for ch in chans:
-            ch.send(Shutdown())
-        for ch in chans:
-            try:
-                ch.recv(timeout_s=2.0)
-            except Exception:
-                pass
-            ch.close()
-    finally:
-        ctx.term()
-
-
 def run(cfg: WorkerModeConfig) -> dict:
     t0 = time.perf_counter()
     parts = prepare_parts(cfg)
@@ -221,9 +154,9 @@ def run(cfg: WorkerModeConfig) -> dict:
         cluster.write(cluster_file)
         for p, ep in cluster.all_endpoints():
             name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
-            group.spawn(name, _server_argv(cfg, parts, p, ep, cluster_file))
+            group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file))
             servers.append((name, ep))
-        _wait_ready(group, servers, cfg.startup_timeout_s)
+        wait_ready(group, servers, cfg.startup_timeout_s)
         t_ready = time.perf_counter()
         port = free_tcp_port()
         summary_file = run_dir / "summary.json"
@@ -243,7 +176,7 @@ def run(cfg: WorkerModeConfig) -> dict:
             if all(t.proc.poll() == 0 for t in trainers):
                 break
             time.sleep(0.1)
-        group.teardown(cfg.shutdown_timeout_s, polite=lambda: _shutdown_servers(servers))
+        group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers))
         if not summary_file.is_file():
             raise LaunchError("trainer rank 0 exited without writing its summary")
         summary = json.loads(summary_file.read_text())
@@ -255,7 +188,7 @@ def run(cfg: WorkerModeConfig) -> dict:
         })
         return summary
     finally:
-        group.teardown(cfg.shutdown_timeout_s, polite=lambda: _shutdown_servers(servers))
+        group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers))
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
