@@ -11,7 +11,6 @@ import time
 
 import psutil
 import pytest
-
 from procs import REPO, run_cli
 
 pytestmark = pytest.mark.timeout(240)
