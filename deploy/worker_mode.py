@@ -29,7 +29,7 @@ from pathlib import Path
 from common.cluster import ClusterSpec
 from common.config import WorkerModeConfig, add_config_args, load_config, to_dict
 from common.errors import MfgServeError
-from deploy.processes import ProcessGroup, free_tcp_port
+from deploy.processes import ProcessGroup, free_tcp_port, make_run_dir, remove_stale_run_dirs
 from deploy.server_group import (
     Interrupted,
     LaunchError,
@@ -139,7 +139,9 @@ def run(cfg: WorkerModeConfig) -> dict:
     parts = prepare_parts(cfg)
     meta = PartitionSetMeta.load(parts)
     prep_s = time.perf_counter() - t0
-    run_dir = Path(tempfile.mkdtemp(prefix="mfgserve-"))
+    for stale in remove_stale_run_dirs():
+        print(f"worker-mode: removed {stale}, left by a launcher that was killed", file=sys.stderr)
+    run_dir = make_run_dir()
     group = ProcessGroup()
     servers: list[tuple[str, str]] = []
     try:

@@ -161,3 +161,21 @@ def test_bad_parts_dir_is_a_clear_error(tmp_path):
     proc = _worker(["--parts", str(tmp_path / "nope")], tmp_path, timeout=100)
     assert proc.returncode == 2
     assert "partition-ogbn" in proc.stderr and "nope" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_launcher_leaves_nothing_running_and_next_run_cleans_up(synth_parts2,
+                                                                          tmp_path):
+    proc, launcher = _start_long_run(synth_parts2, tmp_path)
+    kids = launcher.children()
+    proc.kill()  # no cleanup code runs in the launcher
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    assert not alive, f"children outlived a SIGKILLed launcher: {[p.pid for p in alive]}"
+    stale = list((tmp_path / "t").glob("mfgserve-*"))
+    assert len(stale) == 1, "expected the killed launcher's run directory"
+    again = _worker(["--parts", str(synth_parts2), "--epochs", "1", "--batch-size", "256",
+                     "--no-progress"], tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"removed {stale[0]}" in again.stderr
+    _assert_clean(tmp_path, str(synth_parts2))
