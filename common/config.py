@@ -115,6 +115,9 @@ class TrainerConfig:
     lr: float = opt(3e-3, "Adam learning rate")
     weight_decay: float = opt(5e-4, "Adam weight decay")
     max_inflight: int = opt(4, "sample requests in flight per trainer (prefetch depth)")
+    feat_transfer: str = opt(
+        "", "dtype features travel in: float16 or bfloat16 halve the bytes on the wire (the "
+        "model still computes in float32); empty sends them as stored")
     request_timeout_s: float = opt(
         60.0, "seconds to wait for a server's reply before failing with an error"
     )
@@ -155,6 +158,9 @@ class TrainerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.feat_transfer not in ("", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"--feat-transfer must be float32, float16 or bfloat16, got "
+                              f"{self.feat_transfer!r}")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
         if self.device not in ("auto", "cpu", "cuda"):

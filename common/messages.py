@@ -21,6 +21,8 @@ PROTOCOL_VERSION = 1
 MAX_LAYERS = 8
 MAX_FANOUT = 100_000
 MAX_ID = 2**62  # node ids, part ids and counts are checked against this bound
+FEAT_TRANSFER_DTYPES = {"": None, "float32": torch.float32, "float16": torch.float16,
+                        "bfloat16": torch.bfloat16}
 
 
 class MsgType(IntEnum):
@@ -117,12 +119,15 @@ class SampleRequest(Message):
     fanouts: list[int]
     with_feat: bool = True
     with_label: bool = True
+    feat_dtype: str = ""  # "" = as stored; "float16"/"bfloat16" halve the feature bytes
 
     def check(self) -> None:
         _check_ids(self.seeds, "seeds")
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
         _check_unique(self.seeds, "seeds")
         _check_fanouts(self.fanouts)
+        _need(self.feat_dtype in FEAT_TRANSFER_DTYPES, "bad_field",
+              f"feat_dtype must be one of {sorted(FEAT_TRANSFER_DTYPES)}, got {self.feat_dtype!r}")
 
 
 @dataclass

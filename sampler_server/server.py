@@ -33,6 +33,7 @@ from common.cluster import ClusterSpec
 from common.config import ServerConfig
 from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, RemoteError
 from common.messages import (
+    FEAT_TRANSFER_DTYPES,
     Ack,
     ErrorReply,
     Message,
@@ -259,6 +260,9 @@ class SamplerServer:
             feat, _ = neighbors.gather(mfg.input_nodes, msg.with_feat, False)
             _, label = neighbors.gather(msg.seeds, False, msg.with_label)
             t0 = time.perf_counter()
+            want = FEAT_TRANSFER_DTYPES[msg.feat_dtype]
+            if want is not None and feat.dtype != want:
+                feat = feat.to(want)  # counted as encode time
             reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
                              num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
                              feat=feat, label=label, timings={})

@@ -191,3 +191,24 @@ def test_neighbour_choice_uniform_across_parts(server_factory, synth_graph, synt
     assert observed.sum() == rounds * fanout
     expected = np.full(uniq.size, rounds * fanout / uniq.size)
     assert chisquare(observed, expected).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_feature_transfer(dtype, server_factory, synth_graph, synth_parts1,
+                                         tmp_path):
+    """feat_dtype halves the feature bytes; the rows are the original ones, rounded."""
+    cluster = start_cluster(server_factory, synth_parts1, tmp_path, 1)
+    oracle = Oracle(synth_graph, synth_parts1)
+    ctx = zmq.Context()
+    try:
+        ch = RpcChannel(ctx, cluster.partitions[0][0], timeout_s=30, setting="test")
+        seeds = mixed_seeds(synth_parts1, 40, 5)
+        full = ch.call(SampleRequest(seeds=seeds, fanouts=[3, 3]))
+        half = ch.call(SampleRequest(seeds=seeds, fanouts=[3, 3], feat_dtype=dtype))
+        ch.close()
+    finally:
+        ctx.term()
+    assert full.feat.dtype == torch.float32 and half.feat.dtype == getattr(torch, dtype)
+    assert half.feat.element_size() == 2 and full.feat.element_size() == 4
+    want = torch.from_numpy(synth_graph.feat[oracle.n2o[half.input_nodes.numpy()]])
+    torch.testing.assert_close(half.feat.float(), want.to(getattr(torch, dtype)).float())

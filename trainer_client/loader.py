@@ -67,7 +67,8 @@ class DistNodeDataLoader:
     def __init__(self, pool: ServerPool, seeds: Tensor, node_offsets: list[int], *,
                  fanouts: list[int], batch_size: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, max_inflight: int = 4,
-                 device: torch.device | str = "cpu", with_label: bool = True):
+                 device: torch.device | str = "cpu", with_label: bool = True,
+                 feat_transfer: str = ""):
         self.pool = pool
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
@@ -78,6 +79,7 @@ class DistNodeDataLoader:
         self.max_inflight = max_inflight
         self.device = torch.device(device)
         self.with_label = with_label
+        self.feat_transfer = feat_transfer
         self.epoch = 0
         self.stats = LoaderStats()
 
@@ -97,7 +99,7 @@ class DistNodeDataLoader:
 
     def _submit(self, batch: Tensor):
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
-                            with_label=self.with_label)
+                            with_label=self.with_label, feat_dtype=self.feat_transfer)
         return self.pool.submit(self._owner(batch), req)
 
     def _to_mfg(self, reply: MFGReply) -> MFG:

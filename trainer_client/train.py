@@ -143,7 +143,8 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
         net = DDP(model) if ddp.world_size > 1 else model
         opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
-                      max_inflight=cfg.max_inflight, device=device)
+                      max_inflight=cfg.max_inflight, device=device,
+                      feat_transfer=cfg.feat_transfer)
         train_loader = DistNodeDataLoader(pool, splits["train"], info.node_offsets,
                                           fanouts=cfg.fanouts, batch_size=cfg.batch_size,
                                           shuffle=True, **common)
