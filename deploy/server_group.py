@@ -29,6 +29,17 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+def raise_on_signals() -> None:
+    """Turn SIGINT/SIGTERM into :class:`Interrupted` so launchers unwind through ``finally``
+    (tearing their children down) instead of dying on the spot."""
+
+    def on_signal(signum, _frame):
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
 def server_argv(s: ServerConfig, parts: str, part: int, endpoint: str,
                 cluster_file: Path) -> list[str]:
     """The ``sampler-server`` command line for one part, carrying ``s``'s tunables."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,14 @@ from common.cluster import ClusterSpec
 from common.config import ServerConfig, add_config_args, load_config
 from common.errors import MfgServeError
 from deploy.processes import ProcessGroup, free_tcp_port
-from deploy.server_group import Interrupted, LaunchError, server_argv, shutdown_servers, wait_ready
+from deploy.server_group import (
+    Interrupted,
+    LaunchError,
+    raise_on_signals,
+    server_argv,
+    shutdown_servers,
+    wait_ready,
+)
 from partition.layout import PartitionFormatError, PartitionSetMeta
 
 SKIP = ("part_id", "bind", "cluster", "ready_file")
@@ -103,12 +109,7 @@ def run(args: argparse.Namespace, cfg: ServerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-
-    def on_signal(signum, _frame):
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    raise_on_signals()
     cli = {k: v for k, v in vars(args).items()
            if k not in ("config", "cluster", "cluster_out", "host", "replicas",
                         "startup_timeout_s", "shutdown_timeout_s")}

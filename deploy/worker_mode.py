@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from deploy.processes import ProcessGroup, free_tcp_port, make_run_dir, remove_s
 from deploy.server_group import (
     Interrupted,
     LaunchError,
+    raise_on_signals,
     server_argv,
     shutdown_servers,
     wait_ready,
@@ -196,12 +196,7 @@ def run(cfg: WorkerModeConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-
-    def on_signal(signum, _frame):
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    raise_on_signals()
     try:
         cfg = load_config(WorkerModeConfig, args.config, {k: v for k, v in vars(args).items()
                                                           if k != "config"})
