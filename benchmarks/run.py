@@ -50,7 +50,7 @@ import torch
 
 from partition.layout import PartitionFormatError, PartitionSetMeta
 
-STEPS = ("dgl-train", "dgl-sample", "server", "worker")
+STEPS = ("dgl-train", "dgl-sample", "server", "worker", "wire")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -280,6 +280,10 @@ def compute_ratios(results: dict) -> dict:
     wm_acc = results.get("worker_mode", {}).get("test_acc")
     if dgl_acc is not None and wm_acc is not None:
         ratios["test_acc_diff"] = round(wm_acc - dgl_acc, 4)  # mfgserve minus DGL
+    wire = results.get("wire", {})
+    for transport in ("tcp", "ipc"):
+        if f"{transport}_ratio" in wire:  # mfgserve codec vs raw zmq frames
+            ratios[f"wire_{transport}_vs_raw_frames"] = wire[f"{transport}_ratio"]
     return ratios
 
 
@@ -382,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             server_workers=args.server_workers, seed=args.seed))
     if "worker" not in args.skip:
         step("worker_mode", lambda: run_worker_mode(parts, args))
+    if "wire" not in args.skip:
+        from benchmarks.wire import measure_wire
+
+        step("wire", lambda: measure_wire())
 
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     summary = {"machine": machine, "graph": graph, "config": config, "results": results,
