@@ -57,7 +57,8 @@ def _message(payload_bytes: int) -> MFGReply:
                     indptr=[torch.zeros(min(n, 1024) + 1, dtype=torch.int64)],
                     indices=[torch.empty(0, dtype=torch.int64)],
                     feat=torch.randn(rows, 100), label=torch.zeros(min(n, 1024),
-                                                                    dtype=torch.int64))
+                                                                    dtype=torch.int64),
+                    feat_present=torch.empty(0, dtype=torch.bool))
 
 
 def measure(endpoint: str, mode: str, mb: float, count: int) -> dict:

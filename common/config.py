@@ -115,6 +115,9 @@ class TrainerConfig:
     lr: float = opt(3e-3, "Adam learning rate")
     weight_decay: float = opt(5e-4, "Adam weight decay")
     max_inflight: int = opt(4, "sample requests in flight per trainer (prefetch depth)")
+    cache_ratio: float = opt(
+        0.0, "fraction of each part's nodes whose features this trainer caches on its device "
+        "(the hottest, ranked by partition-ogbn's pre-sampling); servers skip sending them")
     feat_transfer: str = opt(
         "", "dtype features travel in: float16 or bfloat16 halve the bytes on the wire (the "
         "model still computes in float32); empty sends them as stored")
@@ -158,6 +161,8 @@ class TrainerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.cache_ratio <= 1.0:
+            raise ConfigError(f"--cache-ratio must be in [0, 1], got {self.cache_ratio}")
         if self.feat_transfer not in ("", "float32", "float16", "bfloat16"):
             raise ConfigError(f"--feat-transfer must be float32, float16 or bfloat16, got "
                               f"{self.feat_transfer!r}")

@@ -43,6 +43,8 @@ class MsgType(IntEnum):
     STATS = 12
     SHUTDOWN = 13
     ACK = 14
+    CACHE_FILL_REQ = 15  # trainer -> server: the part's hottest nodes and their features
+    CACHE_FILL = 16
 
 
 @dataclass
@@ -120,6 +122,7 @@ class SampleRequest(Message):
     with_feat: bool = True
     with_label: bool = True
     feat_dtype: str = ""  # "" = as stored; "float16"/"bfloat16" halve the feature bytes
+    cache_ratio: float = 0.0  # the trainer caches the nodes CacheFillRequest(ratio) returns
 
     def check(self) -> None:
         _check_ids(self.seeds, "seeds")
@@ -128,13 +131,18 @@ class SampleRequest(Message):
         _check_fanouts(self.fanouts)
         _need(self.feat_dtype in FEAT_TRANSFER_DTYPES, "bad_field",
               f"feat_dtype must be one of {sorted(FEAT_TRANSFER_DTYPES)}, got {self.feat_dtype!r}")
+        _need(0.0 <= self.cache_ratio <= 1.0, "bad_field",
+              f"cache_ratio must be in [0, 1], got {self.cache_ratio}")
 
 
 @dataclass
 class MFGReply(Message):
     """One sampled MFG. Layer l's source nodes are ``input_nodes[:num_src[l]]`` and its
     destination nodes ``input_nodes[:num_dst[l]]`` (destination nodes first among sources);
-    ``indptr[l]`` / ``indices[l]`` are its CSC (indices are local source positions)."""
+    ``indptr[l]`` / ``indices[l]`` are its CSC (indices are local source positions).
+    ``feat_present`` is empty when ``feat`` has a row per input node; otherwise it is a bool
+    per input node and ``feat`` holds rows only where it is True (the trainer caches the rest).
+    """
 
     TYPE = MsgType.MFG
     input_nodes: Tensor
@@ -144,6 +152,7 @@ class MFGReply(Message):
     indices: list[Tensor]
     feat: Tensor
     label: Tensor
+    feat_present: Tensor
     timings: dict[str, float] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -170,6 +179,12 @@ class MFGReply(Message):
             if layer + 1 < n:
                 _need(self.num_src[layer + 1] == nd, "bad_mfg",
                       f"layer {layer + 1}'s sources must be layer {layer}'s destinations")
+        fp = self.feat_present
+        if fp.numel():
+            _need(fp.dtype == torch.bool and fp.shape == self.input_nodes.shape, "bad_mfg",
+                  "feat_present must be a bool per input node")
+            _need(self.feat.dim() == 2 and self.feat.shape[0] == int(fp.sum()), "bad_mfg",
+                  "feat must hold one row per True in feat_present")
 
 
 @dataclass
@@ -236,6 +251,33 @@ class SeedsReply(Message):
 
 
 @dataclass
+class CacheFillRequest(Message):
+    """The part's nodes a trainer with ``cache_ratio`` caches, and their features."""
+
+    TYPE = MsgType.CACHE_FILL_REQ
+    cache_ratio: float
+    feat_dtype: str = ""
+
+    def check(self) -> None:
+        _need(0.0 < self.cache_ratio <= 1.0, "bad_field",
+              f"cache_ratio must be in (0, 1], got {self.cache_ratio}")
+        _need(self.feat_dtype in FEAT_TRANSFER_DTYPES, "bad_field",
+              f"feat_dtype must be one of {sorted(FEAT_TRANSFER_DTYPES)}")
+
+
+@dataclass
+class CacheFillReply(Message):
+    TYPE = MsgType.CACHE_FILL
+    nodes: Tensor
+    feat: Tensor
+
+    def check(self) -> None:
+        _check_ids(self.nodes, "nodes")
+        _need(self.feat.dim() == 2 and self.feat.shape[0] == self.nodes.numel(), "bad_tensor",
+              "feat must hold one row per node")
+
+
+@dataclass
 class StatsRequest(Message):
     TYPE = MsgType.STATS_REQ
 
@@ -260,6 +302,6 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (ErrorReply, Ping, Pong, SampleRequest, MFGReply, NeighborsRequest, NeighborsReply,
                 NodeDataRequest, NodeDataReply, SeedsRequest, SeedsReply, StatsRequest,
-                StatsReply, Shutdown, Ack)
+                StatsReply, Shutdown, Ack, CacheFillRequest, CacheFillReply)
 }
 assert set(MESSAGE_CLASSES) == set(MsgType), "every MsgType needs a message class"

@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s: the first hop is always local)",
     )
     p.add_argument(
+        "--presample-batches",
+        type=int,
+        default=16,
+        metavar="B",
+        help="mini-batches of training seeds (fanouts 15,10,5, batch 1024) sampled to rank "
+        "nodes by hotness for trainers' feature caches (hot_rank.npy); 0 skips it "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--out",
         metavar="DIR",
         help="output directory of the partition set; must be new or empty (required unless "
@@ -361,6 +370,7 @@ def _run(args: argparse.Namespace) -> dict:
             progress=progress,
             overwrite=args.force,
             halo_hops=args.halo_hops,
+            presample_batches=args.presample_batches,
         )
         total_s = time.perf_counter() - t0
         for line in _summary_lines(meta, load_s, total_s):

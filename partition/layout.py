@@ -5,6 +5,10 @@ A partition set is a directory::
     OUT/
       metadata.json          versioned description (see PartitionSetMeta)
       orig_to_new.npy        int64 [N]   original dataset node id -> global node id
+      hot_rank.npy           int64 [N]   (optional) rank of each node within its part by how often
+                                         pre-sampled mini-batches used it (0 = hottest); a
+                                         trainer with cache ratio r caches the nodes with
+                                         rank < floor(r * part size), servers skip sending them
       part-0/
         indptr.npy           int64 [n_0 + 1]  CSC over the part's owned nodes: the in-edges of
                                               owned node i (local id) are indices[indptr[i]:indptr[i+1]]
@@ -54,6 +58,7 @@ import numpy as np
 FORMAT_NAME = "mfgserve-partitions"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+HOT_RANK_FILE = "hot_rank.npy"
 PART_ARRAYS = ("indptr", "indices", "feat", "label", "orig_ids", "train", "valid", "test")
 HALO_ARRAYS = ("halo_nodes", "halo_indptr", "halo_indices", "halo_feat", "halo_label")
 SPLITS = ("train", "valid", "test")
@@ -200,6 +205,21 @@ def load_partition(root: str | os.PathLike, part_id: int, mmap: bool = True) -> 
             "re-run partition-ogbn"
         )
     return Partition(meta=meta, part_id=part_id, **arrays)
+
+
+def load_hot_rank(root: str | os.PathLike) -> np.ndarray | None:
+    """The set's hot_rank.npy (mmap), or None if it was written without pre-sampling."""
+    path = Path(root) / HOT_RANK_FILE
+    return np.load(path, mmap_mode="r") if path.is_file() else None
+
+
+def cached_mask(rank: np.ndarray, gids: np.ndarray, node_offsets: list[int],
+                cache_ratio: float) -> np.ndarray:
+    """Which of ``gids`` a trainer with ``cache_ratio`` caches: rank < floor(ratio * size)."""
+    offsets = np.asarray(node_offsets)
+    owner = np.searchsorted(offsets, gids, side="right") - 1
+    limit = np.floor(cache_ratio * np.diff(offsets)).astype(np.int64)
+    return rank[gids] < limit[owner]
 
 
 def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarray]) -> PartInfo:

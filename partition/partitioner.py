@@ -215,6 +215,39 @@ def _halo_arrays(keys: np.ndarray, g_indptr: np.ndarray, n: int, lo: int, hi: in
             "halo_feat": data.feat[orig], "halo_label": data.label[orig]}
 
 
+def _presample_hotness(keys: np.ndarray, n: int, train: np.ndarray, batches: int,
+                       fanouts: tuple[int, ...], batch_size: int, seed: int,
+                       progress: bool) -> np.ndarray:
+    """How often each node (new id) is an input node of sampled mini-batches of ``train``."""
+    import torch
+
+    from common.dgl_compat import import_dgl
+
+    dgl = import_dgl()
+    indptr = np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * n, side="left")
+    g = dgl.graph(("csc", (torch.from_numpy(indptr), torch.from_numpy(np.remainder(keys, n)),
+                           torch.empty(0, dtype=torch.int64))), num_nodes=n)
+    sampler = dgl.dataloading.NeighborSampler(list(fanouts))
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(n, dtype=np.int64)
+    dgl.seed(seed)
+    for _ in tqdm(range(batches), desc="pre-sample hot nodes", file=sys.stderr,
+                  disable=not progress):
+        seeds = rng.choice(train, size=min(batch_size, train.size), replace=False)
+        input_nodes, _, _ = sampler.sample(g, torch.from_numpy(seeds))
+        counts[input_nodes.numpy()] += 1
+    return counts
+
+
+def _rank_within_parts(hot: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """rank[gid] = position of gid in its part when sorted by hotness (desc), ties by id."""
+    rank = np.empty(hot.size, dtype=np.int64)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        order = np.argsort(-hot[lo:hi], kind="stable")
+        rank[lo + order] = np.arange(hi - lo)
+    return rank
+
+
 def _balance(counts: np.ndarray) -> float:
     mean = float(np.mean(counts)) if counts.size else 0.0
     return float(np.max(counts) / mean) if mean > 0 else 1.0
@@ -247,11 +280,17 @@ def partition_graph(
     *,
     overwrite: bool = False,
     halo_hops: int = 0,
+    presample_batches: int = 16,
+    presample_fanouts: tuple[int, ...] = (15, 10, 5),
+    presample_batch_size: int = 1024,
 ) -> PartitionSetMeta:
     """Partition ``data`` into ``num_parts`` parts written under ``out``; return the metadata.
 
     ``halo_hops=k`` also stores, per part, the complete in-edge lists and features of the
     other parts' nodes within k in-hops of its own nodes (see partition.layout).
+    ``presample_batches`` > 0 samples that many mini-batches of training seeds (with
+    ``presample_fanouts``) and writes ``hot_rank.npy``: each node's rank within its part by
+    how often it appeared as an input node, the order trainers fill their feature caches in.
 
     ``out`` must be empty or new; an existing partition set there is replaced only with
     ``overwrite=True``. Raises :class:`PartitionError` for bad arguments, an unusable
@@ -344,8 +383,14 @@ def partition_graph(
         infos.append(layout.write_part(out, p, arrays))
         part_cut.append(cut)
         del arrays, indices, indptr, bounds
+    hot = None
+    if presample_batches > 0 and splits_new["train"].size:
+        hot = _presample_hotness(keys, n, splits_new["train"], presample_batches,
+                                 presample_fanouts, presample_batch_size, seed, progress)
     del keys
     np.save(out / "orig_to_new.npy", orig_to_new)
+    if hot is not None:
+        np.save(out / layout.HOT_RANK_FILE, _rank_within_parts(hot, offsets))
     t_write = time.perf_counter()
 
     part_edges = np.array([i.num_edges for i in infos], dtype=np.int64)

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -35,6 +36,8 @@ from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, Remote
 from common.messages import (
     FEAT_TRANSFER_DTYPES,
     Ack,
+    CacheFillReply,
+    CacheFillRequest,
     ErrorReply,
     Message,
     MFGReply,
@@ -52,6 +55,7 @@ from common.messages import (
     StatsRequest,
 )
 from common.sockets import CurveKeys, bound_endpoint, make_socket
+from partition.layout import HOT_RANK_FILE, cached_mask, load_hot_rank
 from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
 from sampler_server.partition_store import PartitionStore
 from sampler_server.peer_client import WirePeers
@@ -64,6 +68,7 @@ class SamplerServer:
         self.cfg = cfg
         self.max_bytes = cfg.max_message_mb << 20
         self.store = PartitionStore(cfg.parts, cfg.part_id, seed=cfg.seed)
+        self.hot_rank = load_hot_rank(cfg.parts)
         self.cluster = ClusterSpec.load(cfg.cluster) if cfg.cluster else None
         if self.cluster and self.cluster.num_parts != self.store.meta.num_parts:
             raise MfgServeError(
@@ -204,6 +209,8 @@ class SamplerServer:
                 feat_dim=m.feat_dim, num_classes=m.num_classes, node_offsets=m.node_offsets,
                 feat_dtype=str(store.feat.dtype).replace("torch.", ""), dataset=m.dataset,
                 pid=os.getpid(), server_id=self.server_id), rid)
+        elif isinstance(msg, CacheFillRequest):
+            self._reply(ident, self._cache_fill(msg), rid)
         elif isinstance(msg, SeedsRequest):
             self._reply(ident, SeedsReply(seeds=store.seeds(msg.split)), rid)
         elif isinstance(msg, StatsRequest):
@@ -257,7 +264,12 @@ class SamplerServer:
         try:
             neighbors = DistributedNeighbors(self.store, peers, timings, scratch)
             mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
-            feat, _ = neighbors.gather(mfg.input_nodes, msg.with_feat, False)
+            present = torch.empty(0, dtype=torch.bool)
+            send = mfg.input_nodes
+            if msg.cache_ratio > 0 and msg.with_feat:
+                present = ~self._cached(mfg.input_nodes, msg.cache_ratio)
+                send = mfg.input_nodes[present]  # the trainer holds the others' features
+            feat, _ = neighbors.gather(send, msg.with_feat, False)
             _, label = neighbors.gather(msg.seeds, False, msg.with_label)
             t0 = time.perf_counter()
             want = FEAT_TRANSFER_DTYPES[msg.feat_dtype]
@@ -265,12 +277,13 @@ class SamplerServer:
                 feat = feat.to(want)  # counted as encode time
             reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
                              num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
-                             feat=feat, label=label, timings={})
+                             feat=feat, label=label, feat_present=present, timings={})
             reply.timings = {"sample_s": timings.sample_s, "gather_s": timings.gather_s,
                              "remote_s": timings.remote_s,
                              "remote_requests": float(timings.remote_requests),
                              "remote_bytes": float((peers.bytes_received if peers else 0)
                                                    - peer_bytes0),
+                             "cached_rows": float(mfg.input_nodes.numel() - send.numel()),
                              "queue_s": queue_s, "server_s": time.perf_counter() - t_in}
             frames = codec.encode(reply, rid)
             encode_s = time.perf_counter() - t0
@@ -298,6 +311,28 @@ class SamplerServer:
         with self.stats_lock:
             self.stats["errors"] += 1
         return codec.encode(ErrorReply(code=code, message=text), rid)
+
+    def _hot_rank(self):
+        if self.hot_rank is None:
+            raise ProtocolError("no_hot_rank", f"partition set {self.cfg.parts} has no "
+                                f"{HOT_RANK_FILE}: re-run partition-ogbn with "
+                                "--presample-batches > 0, or use --cache-ratio 0")
+        return self.hot_rank
+
+    def _cached(self, gids: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Which of ``gids`` a trainer with cache ratio ``ratio`` holds (partition.layout)."""
+        mask = cached_mask(self._hot_rank(), gids.numpy(), self.store.meta.node_offsets, ratio)
+        return torch.from_numpy(mask)
+
+    def _cache_fill(self, msg: CacheFillRequest) -> CacheFillReply:
+        rank = self._hot_rank()
+        st = self.store
+        limit = int(msg.cache_ratio * (st.end - st.start))
+        local = np.nonzero(np.asarray(rank[st.start:st.end]) < limit)[0]
+        nodes = torch.from_numpy(local.astype(np.int64) + st.start)
+        feat, _ = st.gather(nodes, True, False)
+        want = FEAT_TRANSFER_DTYPES[msg.feat_dtype]
+        return CacheFillReply(nodes=nodes, feat=feat if want is None else feat.to(want))
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -29,6 +29,8 @@ from common.messages import (
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,
     Ack,
+    CacheFillReply,
+    CacheFillRequest,
     ErrorReply,
     Message,
     MFGReply,
@@ -68,6 +70,7 @@ def chain_mfg(num_layers: int, seeds: int = 3, grow: int = 2, feat_dim: int = 4)
         input_nodes=torch.arange(100, 100 + n, dtype=torch.int64),
         num_src=num_src, num_dst=num_dst, indptr=indptr, indices=indices,
         feat=torch.randn(n, feat_dim), label=torch.arange(seeds, dtype=torch.int64),
+        feat_present=torch.empty(0, dtype=torch.bool),
         timings={"sample_s": 0.25, "gather_s": 1.0},
     )
 
@@ -97,6 +100,9 @@ def examples() -> dict[MsgType, Message]:
         MsgType.STATS: StatsReply(values={"requests": 3.0, "errors": 1.0}),
         MsgType.SHUTDOWN: Shutdown(),
         MsgType.ACK: Ack(),
+        MsgType.CACHE_FILL_REQ: CacheFillRequest(cache_ratio=0.25, feat_dtype="float16"),
+        MsgType.CACHE_FILL: CacheFillReply(nodes=torch.tensor([3, 9, 11]),
+                                           feat=torch.randn(3, 16)),
     }
 
 
@@ -244,7 +250,8 @@ def test_empty_tensors_keep_their_shape():
     empty = MFGReply(input_nodes=torch.empty(0, dtype=torch.int64), num_src=[0], num_dst=[0],
                      indptr=[torch.zeros(1, dtype=torch.int64)],
                      indices=[torch.empty(0, dtype=torch.int64)],
-                     feat=torch.empty(0, 5), label=torch.empty(0, dtype=torch.int64))
+                     feat=torch.empty(0, 5), label=torch.empty(0, dtype=torch.int64),
+                     feat_present=torch.empty(0, dtype=torch.bool))
     out, _ = codec.decode(wire(empty))
     assert_same_message(empty, out)
 
@@ -269,7 +276,8 @@ def test_non_contiguous_inputs_decode_equal(make):
 def test_eight_layer_mfg_has_one_frame_per_tensor():
     msg = chain_mfg(MAX_LAYERS)
     frames = wire(msg, rid=99)
-    assert len(frames) == 1 + 1 + 2 * MAX_LAYERS + 2  # header, input_nodes, CSCs, feat, label
+    # header, input_nodes, CSCs, feat, label, feat_present
+    assert len(frames) == 1 + 1 + 2 * MAX_LAYERS + 3
     out, rid = codec.decode(frames)
     assert rid == 99
     assert_same_message(msg, out)

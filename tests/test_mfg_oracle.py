@@ -212,3 +212,31 @@ def test_half_precision_feature_transfer(dtype, server_factory, synth_graph, syn
     assert half.feat.element_size() == 2 and full.feat.element_size() == 4
     want = torch.from_numpy(synth_graph.feat[oracle.n2o[half.input_nodes.numpy()]])
     torch.testing.assert_close(half.feat.float(), want.to(getattr(torch, dtype)).float())
+
+
+def test_feature_cache_rows_left_out_and_restored(server_factory, synth_graph, synth_parts2,
+                                                  tmp_path):
+    """With a cache ratio, servers leave out the hot nodes' rows (fewer bytes) and the
+    trainer's cache restores exactly the original features."""
+    from trainer_client.feature_cache import FeatureCache
+    from trainer_client.server_pool import ServerPool
+
+    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
+    oracle = Oracle(synth_graph, synth_parts2)
+    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
+    try:
+        info = pool.info()
+        cache = FeatureCache.fill(pool, 2, info.num_nodes, 0.25, "", torch.device("cpu"))
+        sizes = np.diff(info.node_offsets)
+        assert cache.num_cached == sum(int(0.25 * s) for s in sizes)
+        seeds = mixed_seeds(synth_parts2, 80, 9)
+        reply = pool.wait(pool.submit(0, SampleRequest(seeds=seeds, fanouts=[5, 5],
+                                                       cache_ratio=0.25)))
+        assert reply.feat_present.numel() == reply.input_nodes.numel()
+        assert reply.feat.shape[0] < reply.input_nodes.numel(), "no row was left out"
+        feat = cache.assemble(reply.input_nodes, reply.feat, reply.feat_present)
+        np.testing.assert_array_equal(feat.numpy(),
+                                      synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
+        assert cache.rows_served == int((~reply.feat_present).sum()) > 0
+    finally:
+        pool.close()

@@ -27,6 +27,7 @@ from torch import Tensor
 from common.messages import MFGReply, SampleRequest
 from common.mfg import MFG
 from common.rpc import expect
+from trainer_client.feature_cache import FeatureCache
 from trainer_client.server_pool import ServerPool
 
 
@@ -68,7 +69,8 @@ class DistNodeDataLoader:
                  fanouts: list[int], batch_size: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, max_inflight: int = 4,
                  device: torch.device | str = "cpu", with_label: bool = True,
-                 feat_transfer: str = ""):
+                 feat_transfer: str = "", cache: FeatureCache | None = None,
+                 cache_ratio: float = 0.0):
         self.pool = pool
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
@@ -80,6 +82,8 @@ class DistNodeDataLoader:
         self.device = torch.device(device)
         self.with_label = with_label
         self.feat_transfer = feat_transfer
+        self.cache = cache
+        self.cache_ratio = cache_ratio if cache is not None else 0.0
         self.epoch = 0
         self.stats = LoaderStats()
 
@@ -99,13 +103,20 @@ class DistNodeDataLoader:
 
     def _submit(self, batch: Tensor):
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
-                            with_label=self.with_label, feat_dtype=self.feat_transfer)
+                            with_label=self.with_label, feat_dtype=self.feat_transfer,
+                            cache_ratio=self.cache_ratio)
         return self.pool.submit(self._owner(batch), req)
 
     def _to_mfg(self, reply: MFGReply) -> MFG:
         mfg = MFG.from_csc(reply.input_nodes, reply.num_src, reply.num_dst, reply.indptr,
                            reply.indices)
-        mfg.blocks[0].srcdata["feat"] = reply.feat
+        feat = reply.feat
+        if reply.feat_present.numel():
+            if self.cache is None:
+                raise RuntimeError("a server left out cached features, but this loader has "
+                                   "no feature cache")
+            feat = self.cache.assemble(reply.input_nodes, feat, reply.feat_present)
+        mfg.blocks[0].srcdata["feat"] = feat
         mfg.blocks[-1].dstdata["label"] = reply.label
         if self.device.type == "cuda":
             t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from common.cluster import ClusterSpec
 from common.config import TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
 from common.sockets import CurveKeys
+from trainer_client.feature_cache import FeatureCache
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.model import GraphSAGE
 from trainer_client.server_pool import ServerPool
@@ -142,9 +143,15 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
                           cfg.dropout).to(device)
         net = DDP(model) if ddp.world_size > 1 else model
         opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        cache = None
+        if cfg.cache_ratio > 0:
+            cache = FeatureCache.fill(pool, info.num_parts, info.num_nodes, cfg.cache_ratio,
+                                      cfg.feat_transfer, device)
+            log.info("feature cache: %d nodes, %.1f MB on %s", cache.num_cached,
+                     cache.nbytes / 1e6, device)
         common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                       max_inflight=cfg.max_inflight, device=device,
-                      feat_transfer=cfg.feat_transfer)
+                      feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio)
         train_loader = DistNodeDataLoader(pool, splits["train"], info.node_offsets,
                                           fanouts=cfg.fanouts, batch_size=cfg.batch_size,
                                           shuffle=True, **common)
@@ -216,6 +223,10 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
             "server_to_server_requests": int(remote_requests),
             "server_to_server_bytes": int(remote_bytes),
             "failovers": pool.failovers,
+            "cache": ({"ratio": cfg.cache_ratio, "nodes": cache.num_cached,
+                       "rows_from_cache": int(_all_sum([cache.rows_served], ddp, device)[0]),
+                       "bytes_saved": int(_all_sum([cache.bytes_saved], ddp, device)[0])}
+                      if cache is not None else None),
             "device": str(device),
             "stages_s": stages,
             "final_loss": round(history[-1]["loss"], 4) if history else None,

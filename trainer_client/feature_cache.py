@@ -1,0 +1,63 @@
+"""The trainer's feature cache: the hottest nodes' features, held on the training device.
+
+Which nodes are cached is decided by the partition set (``hot_rank.npy``, pre-sampled at
+partition time): with ratio r, the nodes ranked below floor(r * part size) in each part.
+Servers apply the same rule and leave those rows out of their replies (``feat_present``), so
+neither side sends a list of cached ids. :meth:`assemble` rebuilds the full feature matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from common.messages import CacheFillReply, CacheFillRequest
+from common.rpc import expect
+
+
+class FeatureCache:
+    def __init__(self, nodes: Tensor, feat: Tensor, num_nodes: int, device: torch.device):
+        self.device = device
+        self.feat = feat.to(device)
+        self.slot = torch.full((num_nodes,), -1, dtype=torch.int64, device=device)
+        self.slot[nodes.to(device)] = torch.arange(nodes.numel(), device=device)
+        self.rows_served = 0  # rows taken from the cache instead of the wire
+        self.bytes_saved = 0
+
+    @classmethod
+    def fill(cls, pool, num_parts: int, num_nodes: int, ratio: float, feat_dtype: str,
+             device: torch.device) -> FeatureCache:
+        """Ask every part's server for its share of hot nodes (one request per part)."""
+        nodes, feats = [], []
+        for part in range(num_parts):
+            reply = expect(pool.wait(pool.submit(part, CacheFillRequest(
+                cache_ratio=ratio, feat_dtype=feat_dtype))), CacheFillReply, f"part {part}")
+            nodes.append(reply.nodes.clone())
+            feats.append(reply.feat.clone())
+        return cls(torch.cat(nodes), torch.cat(feats), num_nodes, device)
+
+    @property
+    def num_cached(self) -> int:
+        return int(self.feat.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.feat.numel() * self.feat.element_size()
+
+    def assemble(self, input_nodes: Tensor, received: Tensor, present: Tensor) -> Tensor:
+        """Features of ``input_nodes``: received rows where ``present``, cached rows elsewhere
+        (all on the cache's device)."""
+        present = present.to(self.device)
+        missing = ~present
+        slots = self.slot[input_nodes.to(self.device)[missing]]
+        if bool((slots < 0).any()):
+            raise RuntimeError("a server left out features of a node this trainer does not "
+                               "cache: trainer and servers disagree on --cache-ratio / "
+                               "hot_rank.npy")
+        out = torch.empty((input_nodes.numel(), self.feat.shape[1]), dtype=self.feat.dtype,
+                          device=self.device)
+        out[present] = received.to(self.device, non_blocking=True).to(self.feat.dtype)
+        out[missing] = self.feat[slots]
+        self.rows_served += int(slots.numel())
+        self.bytes_saved += int(slots.numel()) * self.feat.shape[1] * received.element_size()
+        return out
