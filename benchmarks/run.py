@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling threads per mfgserve server (default 2)")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests in flight: server-alone client and worker-mode trainers (4)")
+    p.add_argument("--cache-ratio", type=float, default=0.0,
+                   help="worker-mode trainers' feature cache ratio (0: no cache)")
+    p.add_argument("--feat-transfer", default="", choices=["", "float16", "bfloat16"],
+                   help="worker-mode feature dtype on the wire (default: as stored)")
     p.add_argument("--skip", type=_skip_list, default=[],
                    help=f"comma-separated steps to skip: {', '.join(STEPS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
@@ -210,6 +214,10 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
             "--hidden", str(args.hidden), "--seed", str(args.seed),
             "--max-inflight", str(args.inflight), "--server-num-workers",
             str(args.server_workers), "--no-progress"]
+    if args.cache_ratio:
+        argv += ["--cache-ratio", str(args.cache_ratio)]
+    if args.feat_transfer:
+        argv += ["--feat-transfer", args.feat_transfer]
     log("worker-mode: " + " ".join(argv[1:]))
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
@@ -236,7 +244,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
         raise RuntimeError(f"worker-mode printed no JSON summary as its last line: {e}") from e
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
             "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
-            "prepare_s", "startup_s", "launcher_wall_s", "teardown")
+            "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \
         summary.get("num_trainers", 1)
@@ -343,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
               "epochs": args.epochs, "max_batches": args.max_batches,
               "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
               "num_trainers": args.num_trainers, "server_workers": args.server_workers,
-              "inflight": args.inflight, "seed": args.seed, "skip": args.skip}
+              "inflight": args.inflight, "seed": args.seed, "skip": args.skip,
+              "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer}
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
 
