@@ -95,7 +95,8 @@ def clear_partition_set(path: str | os.PathLike) -> None:
     for child in root.iterdir():
         if child.is_dir() and child.name.startswith("part-"):
             shutil.rmtree(child)
-        elif child.name in ("orig_to_new.npy", layout.METADATA_FILE + ".tmp"):
+        elif child.name in ("orig_to_new.npy", layout.HOT_RANK_FILE,
+                            layout.METADATA_FILE + ".tmp"):
             child.unlink()
 
 

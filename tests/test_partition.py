@@ -178,11 +178,16 @@ def test_partition_refuses_to_clobber(cora, tmp_path):
         partition_graph(cora, 2, out, method="random", progress=False)
     partition_graph(cora, 2, out, method="random", progress=False, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [
+        "hot_rank.npy",
         "metadata.json",
         "orig_to_new.npy",
         "part-0",
         "part-1",
     ]
+    # without pre-sampling, no stale hot ranking of the old set survives the overwrite
+    partition_graph(cora, 2, out, method="random", progress=False, overwrite=True,
+                    presample_batches=0)
+    assert not (out / "hot_rank.npy").exists()
     check_partition_set(cora, out)
     other = tmp_path / "other"
     other.mkdir()
