@@ -42,10 +42,14 @@ class RpcChannel:
         self.sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, hwm=hwm,
                                 max_message_bytes=max_message_bytes, curve=curve,
                                 heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.pending: set[int] = set()
         self.lost: set[int] = set()
-        self.up = True  # no disconnect seen since the last (re)connect
+        # No disconnect since the last completed handshake. A frozen server still accepts
+        # connections (the kernel does that), but never completes a handshake: it stays down.
+        self.up = True
+        self.suspect_until = 0.0  # avoided until then after missing a deadline
         self.disconnects = 0
         self.last_disconnect = 0.0
         self.bytes_received = 0
@@ -60,8 +64,18 @@ class RpcChannel:
                 self.last_disconnect = time.monotonic()
                 self.lost |= self.pending
                 self.pending.clear()
-            elif event == zmq.EVENT_CONNECTED:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up = True
+
+    @property
+    def healthy(self) -> bool:
+        """Connected (handshake done, no drop since) and not recently unresponsive."""
+        self.poll_events()
+        return self.up and time.monotonic() >= self.suspect_until
+
+    def mark_suspect(self, seconds: float) -> None:
+        """Avoid this server for ``seconds`` (it missed a deadline but kept its connection)."""
+        self.suspect_until = time.monotonic() + seconds
 
     def send(self, msg: Message) -> int:
         rid = next(_ids)

@@ -8,8 +8,6 @@ request is re-sent to the part's next replica (the cluster file's order), once p
 
 from __future__ import annotations
 
-import itertools
-
 import zmq
 from torch import Tensor
 
@@ -31,32 +29,53 @@ class WirePeers:
         self.own_part = own_part
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
-        self.channels: dict[int, RpcChannel] = {}
-        self._rr = {p: itertools.cycle(eps) for p, eps in cluster.partitions.items()}
-
-    def _channel(self, part: int) -> RpcChannel:
-        ch = self.channels.get(part)
-        if ch is None:
-            if part not in self.cluster.partitions:
-                raise RuntimeError(f"cluster file lists no server for part {part}")
-            ch = RpcChannel(self.ctx, next(self._rr[part]), timeout_s=self.timeout_s,
-                            setting="the servers' --peer-timeout-s",
-                            max_message_bytes=self.max_message_bytes, curve=self.curve,
-                            heartbeat_s=self.heartbeat[0], heartbeat_timeout_s=self.heartbeat[1])
-            self.channels[part] = ch
-        return ch
+        self.channels: dict[str, RpcChannel] = {}  # per endpoint, created on first use
+        self.current: dict[int, str] = {}  # part -> the replica in use
 
     @property
     def bytes_received(self) -> int:
-        """Reply bytes received from peers so far (channels closed on failover excluded)."""
+        """Reply bytes received from peers so far."""
         return sum(ch.bytes_received for ch in self.channels.values())
 
-    def _switch(self, part: int) -> RpcChannel:
-        """Drop the channel to ``part``'s current server and connect to its next replica."""
-        old = self.channels.pop(part, None)
-        if old is not None:
-            old.close()
-        return self._channel(part)
+    def _get(self, endpoint: str) -> RpcChannel:
+        ch = self.channels.get(endpoint)
+        if ch is None:
+            ch = RpcChannel(self.ctx, endpoint, timeout_s=self.timeout_s,
+                            setting="the servers' --peer-timeout-s",
+                            max_message_bytes=self.max_message_bytes, curve=self.curve,
+                            heartbeat_s=self.heartbeat[0], heartbeat_timeout_s=self.heartbeat[1])
+            self.channels[endpoint] = ch
+        return ch
+
+    def _choose(self, part: int, avoid: str | None = None) -> str:
+        """A replica of ``part`` that is up and not ``avoid``, in cluster-file order starting
+        after ``avoid``; if none is, the one that failed longest ago."""
+        eps = self.cluster.partitions.get(part)
+        if not eps:
+            raise RuntimeError(f"cluster file lists no server for part {part}")
+        start = (eps.index(avoid) + 1) if avoid in eps else 0
+        for ep in eps[start:] + eps[:start]:
+            ch = self.channels.get(ep)
+            if ep != avoid and (ch is None or ch.healthy):
+                return ep
+        return min(eps, key=lambda e: max(self.channels[e].last_disconnect,
+                                          self.channels[e].suspect_until)
+                   if e in self.channels else 0.0)
+
+    def _channel(self, part: int) -> RpcChannel:
+        ep = self.current.get(part)
+        if ep is None or not self._get(ep).healthy:
+            ep = self.current[part] = self._choose(part)
+        return self._get(ep)
+
+    def _switch(self, part: int, error: Exception) -> RpcChannel:
+        """Give up on ``part``'s current server for now and move to another replica."""
+        old = self._get(self.current[part])
+        if isinstance(error, PeerTimeoutError):
+            old.mark_suspect(30.0)
+        old.forget(set(old.pending) | set(old.lost))
+        self.current[part] = self._choose(part, avoid=old.endpoint)
+        return self._get(self.current[part])
 
     def _scatter_gather(self, requests: dict[int, object], reply_cls: type) -> dict[int, object]:
         sent = {p: (self._channel(p), self._channel(p).send(msg)) for p, msg in requests.items()}
@@ -66,9 +85,9 @@ class WirePeers:
             while True:
                 try:
                     reply, got = ch.recv(waiting_for=f"part {p}'s {reply_cls.__name__}")
-                except (PeerDisconnectedError, PeerTimeoutError):
+                except (PeerDisconnectedError, PeerTimeoutError) as e:
                     tries -= 1
-                    ch = self._switch(p)  # the next request starts on a fresh connection
+                    ch = self._switch(p, e)
                     if tries <= 0:
                         raise
                     rid = ch.send(requests[p])

@@ -28,6 +28,7 @@ from common.rpc import RpcChannel, expect
 from common.sockets import CurveKeys
 
 log = logging.getLogger("mfgserve.trainer")
+SUSPECT_S = 30.0  # a server that missed a deadline is avoided this long while others are up
 
 
 @dataclass
@@ -104,8 +105,7 @@ class ServerPool:
         eps = self.cluster.partitions[part]
         for _ in range(len(eps)):
             ch = self.channels[next(self._rr[part])]
-            ch.poll_events()
-            if ch is not avoid and ch.up:
+            if ch is not avoid and ch.healthy:
                 return ch
         return None
 
@@ -153,6 +153,8 @@ class ServerPool:
                 reply, rid = ch.recv(waiting_for=f"the reply to {handle.msg.TYPE.name}")
                 self._buffered[(ch.endpoint, rid)] = reply
             except (PeerDisconnectedError, PeerTimeoutError) as e:
+                if isinstance(e, PeerTimeoutError):
+                    ch.mark_suspect(SUSPECT_S)
                 self._failover_channel(ch, e)
 
     def close(self) -> None:
