@@ -84,7 +84,7 @@ class ProcessGroup:
                     buf = buf[m.end():]
                     if term == "\n" and text.strip():
                         child.tail.append(text)
-                    sys.stderr.write(f"[{name}] {text}{term}")
+                    sys.stderr.write(f"[{name}] {text}{term}" if text else term)
                 sys.stderr.flush()
             if buf:
                 text = buf.decode(errors="replace")
