@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from sampler_server.partition_store import PartitionStore
+from sampler_server.partition_store import PartitionStore, merge_neighbors
 
 
 class Peers(Protocol):
@@ -113,16 +113,8 @@ class DistributedNeighbors:
             self.timings.sample_s += time.perf_counter() - t0
         if len(groups) == 1:
             return results[next(iter(groups))]
-        counts = torch.zeros(nodes.numel(), dtype=torch.int64)
-        positions, sources = [], []
-        for p, pos in groups.items():
-            c, s = results[p]
-            counts[pos] = c
-            positions.append(torch.repeat_interleave(pos, c))
-            sources.append(s)
-        edge_pos = torch.cat(positions)
-        perm = torch.argsort(edge_pos, stable=True)
-        return counts, torch.cat(sources)[perm]
+        return merge_neighbors(nodes.numel(),
+                               [(pos, *results[p]) for p, pos in groups.items()])
 
     def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
         """Features / labels of ``nodes`` of any part, rows in the order of ``nodes``."""

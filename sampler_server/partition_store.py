@@ -23,6 +23,21 @@ def _as_tensor(a: np.ndarray) -> Tensor:
         return torch.from_numpy(a)
 
 
+def merge_neighbors(n: int, groups: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Merge per-group neighbour samples into ``(counts, src)`` for ``n`` nodes.
+
+    Each group is ``(positions, counts, src)``: the positions (among the n nodes) it sampled
+    for, their neighbour counts, and the sources concatenated in that order. Groups partition
+    the positions; the result lists each node's sources in node order.
+    """
+    counts = torch.zeros(n, dtype=torch.int64)
+    for pos, c, _ in groups:
+        counts[pos] = c
+    edge_pos = torch.cat([torch.repeat_interleave(pos, c) for pos, c, _ in groups])
+    perm = torch.argsort(edge_pos, stable=True)
+    return counts, torch.cat([src for _, _, src in groups])[perm]
+
+
 class PartitionStore:
     """Owned nodes are global ids ``[start, end)``; local id = global id - start. Halo nodes
     (other parts' nodes whose complete in-edge lists and features this part also stores) are
@@ -126,15 +141,9 @@ class PartitionStore:
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         if halo_pos.numel() == 0:
             return self._sample(self.graph, own_local, fanout)
-        c_own, s_own = self._sample(self.graph, own_local, fanout)
-        c_halo, s_halo = self._sample(self.halo_graph, halo_local, fanout)
-        counts = torch.zeros(nodes.numel(), dtype=torch.int64)
-        counts[own_pos] = c_own
-        counts[halo_pos] = c_halo
-        edge_pos = torch.cat([torch.repeat_interleave(own_pos, c_own),
-                              torch.repeat_interleave(halo_pos, c_halo)])
-        perm = torch.argsort(edge_pos, stable=True)
-        return counts, torch.cat([s_own, s_halo])[perm]
+        return merge_neighbors(nodes.numel(), [
+            (own_pos, *self._sample(self.graph, own_local, fanout)),
+            (halo_pos, *self._sample(self.halo_graph, halo_local, fanout))])
 
     def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
         """Features and labels of held nodes, rows in the order of ``nodes`` (empty tensors
