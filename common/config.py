@@ -124,6 +124,14 @@ class TrainerConfig:
     request_timeout_s: float = opt(
         60.0, "seconds to wait for a server's reply before failing with an error"
     )
+    shm_ring: bool = opt(
+        True, "offer servers on this host a ring of shared-memory slots (page-locked with "
+        "CUDA) to write batch features into, instead of sending them through the socket; "
+        "servers elsewhere send them on the wire as usual")
+    shm_ring_mb: int = opt(
+        0, "size of that ring in MiB (max-inflight + 2 slots); 0 sizes each slot for the "
+        "largest possible batch (input-node bound from batch size and fanouts), capped at "
+        "4096 MiB in all. A batch too large for its slot goes on the wire")
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda")
     num_threads: int = opt(
         0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
@@ -172,6 +180,8 @@ class TrainerConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.request_timeout_s <= 0:
             raise ConfigError("--request-timeout-s must be > 0")
+        if self.shm_ring_mb < 0:
+            raise ConfigError(f"--shm-ring-mb must be >= 0, got {self.shm_ring_mb}")
         _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)
 
 

@@ -123,9 +123,21 @@ class SampleRequest(Message):
     with_label: bool = True
     feat_dtype: str = ""  # "" = as stored; "float16"/"bfloat16" halve the feature bytes
     cache_ratio: float = 0.0  # the trainer caches the nodes CacheFillRequest(ratio) returns
+    # A slot of the trainer's shared-memory ring (common.shm_ring) to gather the features
+    # into, for a server on the same host; shm_fd < 0: no slot, features on the wire.
+    shm_pid: int = 0
+    shm_fd: int = -1
+    shm_token: str = ""
+    shm_offset: int = 0
+    shm_capacity: int = 0
 
     def check(self) -> None:
         _check_ids(self.seeds, "seeds")
+        if self.shm_fd >= 0:
+            _need(self.shm_pid > 0 and self.shm_offset > 0 and self.shm_capacity >= 0
+                  and len(self.shm_token) == 32, "bad_field",
+                  "shm_pid/shm_offset must be positive, shm_capacity >= 0 and shm_token "
+                  "32 hex digits when shm_fd is set")
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
         _check_unique(self.seeds, "seeds")
         _check_fanouts(self.fanouts)
@@ -154,6 +166,10 @@ class MFGReply(Message):
     label: Tensor
     feat_present: Tensor
     timings: dict[str, float] = field(default_factory=dict)
+    # >= 0: the features (that many rows, dtype/width as ``feat``'s) are in the request's
+    # shared-memory slot and ``feat`` has no rows. ``shm_error``: why the slot was not used.
+    feat_shm_rows: int = -1
+    shm_error: str = ""
 
     def check(self) -> None:
         n = len(self.num_src)
@@ -180,10 +196,14 @@ class MFGReply(Message):
                 _need(self.num_src[layer + 1] == nd, "bad_mfg",
                       f"layer {layer + 1}'s sources must be layer {layer}'s destinations")
         fp = self.feat_present
+        rows = self.feat.shape[0] if self.feat.dim() == 2 else -1
+        if self.feat_shm_rows >= 0:
+            _need(rows == 0, "bad_mfg", "feat must have no rows when feat_shm_rows is set")
+            rows = self.feat_shm_rows
         if fp.numel():
             _need(fp.dtype == torch.bool and fp.shape == self.input_nodes.shape, "bad_mfg",
                   "feat_present must be a bool per input node")
-            _need(self.feat.dim() == 2 and self.feat.shape[0] == int(fp.sum()), "bad_mfg",
+            _need(rows == int(fp.sum()), "bad_mfg",
                   "feat must hold one row per True in feat_present")
 
 

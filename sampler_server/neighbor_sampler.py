@@ -116,8 +116,10 @@ class DistributedNeighbors:
         return merge_neighbors(nodes.numel(),
                                [(pos, *results[p]) for p, pos in groups.items()])
 
-    def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
-        """Features / labels of ``nodes`` of any part, rows in the order of ``nodes``."""
+    def gather(self, nodes: Tensor, with_feat: bool, with_label: bool,
+               out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Features / labels of ``nodes`` of any part, rows in the order of ``nodes``;
+        features written into ``out`` when given (see PartitionStore.gather)."""
         groups = self._split(nodes)
         remote = self._remote(groups, nodes)
         results: dict[int, tuple[Tensor, Tensor]] = {}
@@ -128,24 +130,29 @@ class DistributedNeighbors:
             self.timings.remote_requests += len(remote)
         own = groups.get(self.store.part_id)
         t0 = time.perf_counter()
+        single = len(groups) == 1
         if own is not None:
-            results[self.store.part_id] = self.store.gather(nodes[own], with_feat, with_label)
-        if len(groups) == 1:
-            out = results[next(iter(groups))]
+            results[self.store.part_id] = self.store.gather(
+                nodes[own], with_feat, with_label, out if single else None)
+        if single:
+            res = results[next(iter(groups))]
+            if out is not None and with_feat and res[0] is not out:
+                out.copy_(res[0])
+                res = (out, res[1])
         else:
             feat_dim = self.store.feat.shape[1]
-            feat = torch.empty((nodes.numel() if with_feat else 0, feat_dim),
-                               dtype=self.store.feat.dtype)
+            feat = out if out is not None and with_feat else torch.empty(
+                (nodes.numel() if with_feat else 0, feat_dim), dtype=self.store.feat.dtype)
             label = torch.empty(nodes.numel() if with_label else 0, dtype=torch.int64)
             for p, pos in groups.items():
                 f, lab = results[p]
                 if with_feat:
-                    feat[pos] = f
+                    feat[pos] = f.to(feat.dtype)
                 if with_label:
                     label[pos] = lab
-            out = (feat, label)
+            res = (feat, label)
         self.timings.gather_s += time.perf_counter() - t0
-        return out
+        return res
 
 
 @dataclass

@@ -145,20 +145,31 @@ class PartitionStore:
             (own_pos, *self._sample(self.graph, own_local, fanout)),
             (halo_pos, *self._sample(self.halo_graph, halo_local, fanout))])
 
-    def gather(self, nodes: Tensor, with_feat: bool, with_label: bool) -> tuple[Tensor, Tensor]:
+    def gather(self, nodes: Tensor, with_feat: bool, with_label: bool,
+               out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Features and labels of held nodes, rows in the order of ``nodes`` (empty tensors
-        where not asked for)."""
+        where not asked for). ``out`` (feature dtype, one row per node): write the features
+        there (e.g. a trainer's shared-memory slot) instead of a new tensor."""
+        if out is not None and out.dtype != self.feat.dtype:
+            feat, label = self.gather(nodes, with_feat, with_label)
+            out.copy_(feat)  # the conversion (fp16/bf16 transfer) is this one copy
+            return out, label
         if not self.has_halo and nodes.numel() and (
                 int(nodes.min()) >= self.start and int(nodes.max()) < self.end):
             local = nodes - self.start  # fast path: all owned
-            feat = (self.feat.index_select(0, local) if with_feat
-                    else self.feat.new_empty((0, self.feat.shape[1])))
+            if not with_feat:
+                feat = self.feat.new_empty((0, self.feat.shape[1]))
+            elif out is not None:
+                feat = torch.index_select(self.feat, 0, local, out=out)
+            else:
+                feat = self.feat.index_select(0, local)
             label = (self.label.index_select(0, local) if with_label
                      else torch.empty(0, dtype=torch.int64))
             return feat, label
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         n = nodes.numel()
-        feat = torch.empty((n if with_feat else 0, self.feat.shape[1]), dtype=self.feat.dtype)
+        feat = (out if out is not None and with_feat else
+                torch.empty((n if with_feat else 0, self.feat.shape[1]), dtype=self.feat.dtype))
         label = torch.empty(n if with_label else 0, dtype=torch.int64)
         if halo_pos.numel() == 0:
             if with_feat:

@@ -54,6 +54,7 @@ from common.messages import (
     StatsReply,
     StatsRequest,
 )
+from common.shm_ring import ShmError, ShmWriter, SlotRef
 from common.sockets import CurveKeys, bound_endpoint, make_socket
 from partition.layout import HOT_RANK_FILE, cached_mask, load_hot_rank
 from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
@@ -231,6 +232,7 @@ class SamplerServer:
         breaks the thread itself stops the whole server (exit code 1), so that clients see
         a dropped connection and fail over instead of waiting on a server that cannot work."""
         push = peers = None
+        shm = ShmWriter()
         try:
             push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
             peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id,
@@ -239,12 +241,13 @@ class SamplerServer:
                      if self.cluster else None)
             scratch = torch.full((self.store.meta.num_nodes,), -1, dtype=torch.int64)
             while not self.stop_event.is_set():
+                shm.expire()
                 try:
                     ident, msg, rid, t_in = self.jobs.get(timeout=0.2)
                 except queue.Empty:
                     continue
                 frames = self._serve_sample(msg, rid, peers, scratch, t_in,
-                                            time.perf_counter() - t_in)
+                                            time.perf_counter() - t_in, shm)
                 push.send_multipart([ident, *frames], copy=False)
         except Exception as e:
             log.exception("part %d: sampler thread %d failed; stopping the server",
@@ -252,13 +255,28 @@ class SamplerServer:
             self.fatal = f"sampler thread {index} failed: {type(e).__name__}: {e}"
             self.stop_event.set()
         finally:
+            shm.close()
             if peers:
                 peers.close()
             if push is not None:
                 push.close(0)
 
+    def _shm_slot(self, msg: SampleRequest, shm: ShmWriter, rows: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor | None, int, str]:
+        """(the request's ring slot as a rows x dim tensor or None, rows written there or -1,
+        why the slot could not be used or "")."""
+        if not msg.with_feat or msg.shm_fd < 0:
+            return None, -1, ""
+        ref = SlotRef(msg.shm_pid, msg.shm_fd, msg.shm_token, msg.shm_offset, msg.shm_capacity)
+        try:
+            slot = shm.target(ref, rows, self.store.feat.shape[1], dtype)
+        except ShmError as e:
+            return None, -1, str(e)
+        return slot, (rows if slot is not None else -1), ""
+
     def _serve_sample(self, msg: SampleRequest, rid: int, peers: WirePeers | None,
-                      scratch: torch.Tensor, t_in: float, queue_s: float) -> list:
+                      scratch: torch.Tensor, t_in: float, queue_s: float,
+                      shm: ShmWriter) -> list:
         timings = Timings()
         peer_bytes0 = peers.bytes_received if peers else 0
         try:
@@ -269,24 +287,36 @@ class SamplerServer:
             if msg.cache_ratio > 0 and msg.with_feat:
                 present = ~self._cached(mfg.input_nodes, msg.cache_ratio)
                 send = mfg.input_nodes[present]  # the trainer holds the others' features
-            feat, _ = neighbors.gather(send, msg.with_feat, False)
+            want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
+            slot, shm_rows, shm_error = self._shm_slot(msg, shm, send.numel(), want)
+            if slot is not None:  # gather straight into the trainer's ring slot
+                neighbors.gather(send, True, False, out=slot)
+                del slot  # release the mapping's buffer export
+                feat = torch.empty((0, self.store.feat.shape[1]), dtype=want)
+            else:
+                feat, _ = neighbors.gather(send, msg.with_feat, False)
             _, label = neighbors.gather(msg.seeds, False, msg.with_label)
             t0 = time.perf_counter()
-            want = FEAT_TRANSFER_DTYPES[msg.feat_dtype]
-            if want is not None and feat.dtype != want:
+            if msg.with_feat and feat.dtype != want:
                 feat = feat.to(want)  # counted as encode time
             reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
                              num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
-                             feat=feat, label=label, feat_present=present, timings={})
+                             feat=feat, label=label, feat_present=present, timings={},
+                             feat_shm_rows=shm_rows, shm_error=shm_error)
             reply.timings = {"sample_s": timings.sample_s, "gather_s": timings.gather_s,
                              "remote_s": timings.remote_s,
                              "remote_requests": float(timings.remote_requests),
                              "remote_bytes": float((peers.bytes_received if peers else 0)
                                                    - peer_bytes0),
                              "cached_rows": float(mfg.input_nodes.numel() - send.numel()),
-                             "queue_s": queue_s, "server_s": time.perf_counter() - t_in}
+                             "queue_s": queue_s, "shm_rows": float(max(shm_rows, 0))}
             frames = codec.encode(reply, rid)
             encode_s = time.perf_counter() - t0
+            # Encoded again with the totals (cheap: tensors are not copied); the first
+            # encode is the timed one.
+            reply.timings["encode_s"] = encode_s
+            reply.timings["server_s"] = time.perf_counter() - t_in
+            frames = codec.encode(reply, rid)
             with self.stats_lock:
                 s = self.stats
                 s["sample_requests"] += 1

@@ -16,6 +16,7 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -27,8 +28,11 @@ from torch import Tensor
 from common.messages import MFGReply, SampleRequest
 from common.mfg import MFG
 from common.rpc import expect
+from common.shm_ring import ShmRing
 from trainer_client.feature_cache import FeatureCache
-from trainer_client.server_pool import ServerPool
+from trainer_client.server_pool import Handle, ServerPool
+
+log = logging.getLogger("mfgserve.trainer")
 
 
 @dataclass
@@ -38,7 +42,12 @@ class LoaderStats:
     batches: int = 0
     seeds: int = 0
     wait_s: float = 0.0  # blocked waiting for a reply (not hidden by prefetch)
-    h2d_s: float = 0.0
+    wire_s: float = 0.0  # per request: round trip minus the server's time (overlaps compute)
+    decode_s: float = 0.0  # reply -> MFG (incl. cache assembly)
+    h2d_s: float = 0.0  # issuing host-to-device copies
+    h2d_wait_s: float = 0.0  # waiting for a copy to finish (the part not hidden)
+    ring_hits: int = 0  # replies whose features arrived in the shared-memory ring
+    ring_misses: int = 0  # requests sent without a slot (none free)
     server: dict[str, float] = field(default_factory=dict)
 
     def add_server(self, timings: dict[str, float]) -> None:
@@ -70,7 +79,7 @@ class DistNodeDataLoader:
                  shuffle: bool = True, seed: int = 0, max_inflight: int = 4,
                  device: torch.device | str = "cpu", with_label: bool = True,
                  feat_transfer: str = "", cache: FeatureCache | None = None,
-                 cache_ratio: float = 0.0):
+                 cache_ratio: float = 0.0, ring: ShmRing | None = None):
         self.pool = pool
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
@@ -84,8 +93,12 @@ class DistNodeDataLoader:
         self.feat_transfer = feat_transfer
         self.cache = cache
         self.cache_ratio = cache_ratio if cache is not None else 0.0
+        self.ring = ring
+        self.ring_on = ring is not None  # off once a server says it cannot use the ring
         self.epoch = 0
         self.stats = LoaderStats()
+        self.copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                            else None)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -101,16 +114,57 @@ class DistNodeDataLoader:
         owners = torch.searchsorted(self.offsets, batch, right=True) - 1
         return int(torch.bincount(owners).argmax())
 
-    def _submit(self, batch: Tensor):
+    def _submit(self, batch: Tensor) -> tuple[Handle, int | None]:
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
                             cache_ratio=self.cache_ratio)
-        return self.pool.submit(self._owner(batch), req)
+        slot = None
+        if self.ring is not None and self.ring_on:
+            slot = self.ring.acquire()
+            if slot is None:
+                self.stats.ring_misses += 1
+            else:
+                ref = self.ring.ref(slot)
+                req.shm_pid, req.shm_fd, req.shm_token = ref.pid, ref.fd, ref.token
+                req.shm_offset, req.shm_capacity = ref.offset, ref.capacity
+        return self.pool.submit(self._owner(batch), req), slot
 
-    def _to_mfg(self, reply: MFGReply) -> MFG:
+    def _features(self, reply: MFGReply, slot: int | None, handle: Handle) -> Tensor:
+        """The reply's feature rows: a view of its ring slot, or its frame off the wire."""
+        ring = self.ring
+        if slot is not None and handle.attempts > 1:
+            # Re-sent without the slot (ServerPool._failover); the first server may still
+            # write into it, so it is never reused.
+            ring.poison(slot)  # type: ignore[union-attr]
+            slot = None
+        if reply.shm_error and self.ring_on:
+            log.warning("shared-memory replies are off for this trainer: %s", reply.shm_error)
+            self.ring_on = False
+        if reply.feat_shm_rows < 0:
+            if slot is not None:
+                ring.release(slot)  # type: ignore[union-attr]
+            return reply.feat
+        if slot is None:
+            raise RuntimeError("a server wrote features into a ring slot this trainer did not "
+                               "offer it")
+        self.stats.ring_hits += 1
+        return ring.view(slot, reply.feat_shm_rows, reply.feat.shape[1],  # type: ignore[union-attr]
+                         reply.feat.dtype, self._release)
+
+    def _release(self, slot: int) -> None:
+        """A slot's last host tensor is gone; with CUDA, free it once the copy is done."""
+        event = None
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self.ring.release(slot, event)  # type: ignore[union-attr]
+
+    def _to_mfg(self, reply: MFGReply, slot: int | None, handle: Handle) -> MFG:
+        """Decode the reply into an MFG and start its copy to the device (non-blocking)."""
+        t0 = time.perf_counter()
         mfg = MFG.from_csc(reply.input_nodes, reply.num_src, reply.num_dst, reply.indptr,
                            reply.indices)
-        feat = reply.feat
+        feat = self._features(reply, slot, handle)
         if reply.feat_present.numel():
             if self.cache is None:
                 raise RuntimeError("a server left out cached features, but this loader has "
@@ -118,25 +172,75 @@ class DistNodeDataLoader:
             feat = self.cache.assemble(reply.input_nodes, feat, reply.feat_present)
         mfg.blocks[0].srcdata["feat"] = feat
         mfg.blocks[-1].dstdata["label"] = reply.label
-        if self.device.type == "cuda":
+        del feat
+        t1 = time.perf_counter()
+        self.stats.decode_s += t1 - t0
+        if self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                mfg = mfg.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+            mfg.ready = event  # type: ignore[attr-defined]
+        else:
+            mfg = mfg.to(self.device)  # the same step; on CPU nothing to copy
+        self.stats.h2d_s += time.perf_counter() - t1
+        return mfg
+
+    def _finish(self, mfg: MFG) -> MFG:
+        """Wait (host side, timed) for the batch's copy; the part not hidden shows here."""
+        event = getattr(mfg, "ready", None)
+        if event is not None:
             t0 = time.perf_counter()
-            mfg = mfg.pin_memory().to(self.device, non_blocking=True)
-            self.stats.h2d_s += time.perf_counter() - t0
+            event.synchronize()
+            self.stats.h2d_wait_s += time.perf_counter() - t0
         return mfg
 
     def __iter__(self):
+        """Batches in order. Batch i+1's reply is decoded and its device copy started before
+        batch i is handed out, so the copy overlaps batch i's compute."""
         batches = deque(self._batches())
         inflight: deque = deque()
-        while batches or inflight:
-            while batches and len(inflight) < self.max_inflight:
-                inflight.append(self._submit(batches.popleft()))
-            handle = inflight.popleft()
-            t0 = time.perf_counter()
-            reply = expect(self.pool.wait(handle), MFGReply, handle.channel.endpoint)
-            now = time.perf_counter()
-            self.stats.wait_s += now - t0
-            self.stats.add_server(reply.timings)
-            mfg = self._to_mfg(reply)
-            self.stats.batches += 1
-            self.stats.seeds += mfg.output_nodes.numel()
-            yield mfg.input_nodes, mfg.output_nodes, mfg
+        ready = None
+        try:
+            while batches or inflight:
+                while batches and len(inflight) < self.max_inflight:
+                    inflight.append(self._submit(batches.popleft()))
+                handle, slot = inflight[0]
+                t0 = time.perf_counter()
+                reply = expect(self.pool.wait(handle), MFGReply, handle.channel.endpoint)
+                inflight.popleft()
+                t1 = time.perf_counter()
+                self.stats.wait_s += t1 - t0
+                self.stats.wire_s += max(0.0, t1 - handle.sent_at
+                                         - reply.timings.get("server_s", 0.0))
+                self.stats.add_server(reply.timings)
+                mfg = self._to_mfg(reply, slot, handle)
+                del reply
+                self.stats.batches += 1
+                self.stats.seeds += mfg.output_nodes.numel()
+                if ready is not None:
+                    out, ready = self._finish(ready), None
+                    yield out.input_nodes, out.output_nodes, out
+                    del out
+                ready = mfg
+                del mfg
+            if ready is not None:
+                out, ready = self._finish(ready), None
+                yield out.input_nodes, out.output_nodes, out
+        finally:
+            self._abandon(inflight)
+
+    def _abandon(self, inflight: deque) -> None:
+        """Requests still in flight when iteration stops early: their slots may yet be
+        written, so wait for their replies (briefly) or never reuse those slots."""
+        for handle, slot in inflight:
+            if slot is None or self.ring is None:
+                continue
+            try:
+                reply = self.pool.wait(handle)
+                if isinstance(reply, MFGReply) and handle.attempts == 1:
+                    self.ring.release(slot)
+                    continue
+            except Exception:
+                pass
+            self.ring.poison(slot)

@@ -13,6 +13,7 @@ names the part, the endpoint and what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,7 +24,16 @@ import zmq
 
 from common.cluster import ClusterSpec
 from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError
-from common.messages import Message, Ping, Pong, SeedsReply, SeedsRequest, StatsReply, StatsRequest
+from common.messages import (
+    Message,
+    Ping,
+    Pong,
+    SampleRequest,
+    SeedsReply,
+    SeedsRequest,
+    StatsReply,
+    StatsRequest,
+)
 from common.rpc import RpcChannel, expect
 from common.sockets import CurveKeys
 
@@ -137,6 +147,9 @@ class ServerPool:
         log.warning("re-sending %s for part %d from %s to %s: %s", handle.msg.TYPE.name,
                     handle.part, old.endpoint, target.endpoint, error)
         self.failovers += 1
+        if isinstance(handle.msg, SampleRequest) and handle.msg.shm_fd >= 0:
+            # The old server may still write into the offered ring slot: the new one gets none.
+            handle.msg = dataclasses.replace(handle.msg, shm_fd=-1)
         handle.channel, handle.rid = target, target.send(handle.msg)
         handle.attempts += 1
         self._inflight[(target.endpoint, handle.rid)] = handle

@@ -23,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.cluster import ClusterSpec
 from common.config import TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
+from common.messages import FEAT_TRANSFER_DTYPES
+from common.shm_ring import ShmRing
 from common.sockets import CurveKeys
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.loader import DistNodeDataLoader
@@ -109,6 +111,30 @@ def _is_collective_failure(e: RuntimeError) -> bool:
                             "Connection reset"))
 
 
+def make_ring(cfg: TrainerConfig, info, device: torch.device) -> ShmRing | None:
+    """The shared-memory receive ring (common.shm_ring), sized for the largest batch."""
+    if not cfg.shm_ring:
+        return None
+    slots = cfg.max_inflight + 2  # in flight, plus the batch being trained and the next one
+    dtype = FEAT_TRANSFER_DTYPES.get(cfg.feat_transfer) or getattr(torch, info.feat_dtype)
+    row_bytes = info.feat_dim * torch.empty(0, dtype=dtype).element_size()
+    rows = 0
+    for fanouts, batch in ((cfg.fanouts, cfg.batch_size),
+                           (cfg.eval_fanouts or cfg.fanouts, cfg.eval_batch_size)):
+        bound = batch
+        for f in fanouts:
+            bound = info.num_nodes if f < 0 else min(info.num_nodes, bound * (1 + f))
+        rows = max(rows, min(bound, info.num_nodes))
+    slot_bytes = max(rows * row_bytes, 1)
+    total = (cfg.shm_ring_mb << 20) if cfg.shm_ring_mb else min(slots * slot_bytes, 4096 << 20)
+    slot_bytes = max(total // slots, 1)
+    try:
+        return ShmRing(slots, slot_bytes, pin=device.type == "cuda")
+    except (OSError, MfgServeError) as e:
+        log.warning("no shared-memory ring (%s); features come over the socket", e)
+        return None
+
+
 def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -136,6 +162,7 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
     pool = ServerPool(cluster, timeout_s=cfg.request_timeout_s,
                       max_message_bytes=cfg.max_message_mb << 20, curve=curve,
                       heartbeat_s=cfg.heartbeat_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+    ring = None
     try:
         info = pool.info()
         splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
@@ -149,9 +176,11 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
                                       cfg.feat_transfer, device)
             log.info("feature cache: %d nodes, %.1f MB on %s", cache.num_cached,
                      cache.nbytes / 1e6, device)
+        ring = make_ring(cfg, info, device)
         common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                       max_inflight=cfg.max_inflight, device=device,
-                      feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio)
+                      feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
+                      ring=ring)
         train_loader = DistNodeDataLoader(pool, splits["train"], info.node_offsets,
                                           fanouts=cfg.fanouts, batch_size=cfg.batch_size,
                                           shuffle=True, **common)
@@ -196,11 +225,13 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
         totals = _all_sum([st.seeds, train_s], ddp, device)
         seeds_total, train_s_sum = totals
         mean_train_s = train_s_sum / ddp.world_size
-        stage_names = ["sample_s", "gather_s", "remote_s", "queue_s", "server_s"]
+        stage_names = ["sample_s", "gather_s", "remote_s", "encode_s", "queue_s", "server_s"]
         stage_vals = _all_sum([st.server.get(k, 0.0) for k in stage_names]
-                              + [st.wait_s, st.h2d_s, compute_s], ddp, device)
+                              + [st.wire_s, st.decode_s, st.wait_s, st.h2d_s, st.h2d_wait_s,
+                                 compute_s], ddp, device)
         stages = dict(zip(["server_sample_s", "server_gather_s", "server_remote_s",
-                           "server_queue_s", "server_total_s", "trainer_wait_s", "h2d_s",
+                           "server_encode_s", "server_queue_s", "server_total_s", "wire_s",
+                           "decode_s", "trainer_wait_s", "h2d_s", "h2d_wait_s",
                            "forward_backward_s"], [round(v, 4) for v in stage_vals]))
         remote_requests, remote_bytes = _all_sum(
             [st.server.get("remote_requests", 0.0), st.server.get("remote_bytes", 0.0)],
@@ -229,6 +260,10 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
                       if cache is not None else None),
             "device": str(device),
             "stages_s": stages,
+            "shm_ring": ({"slots": ring.num_slots, "slot_mb": round(ring.slot_bytes / 2**20, 1),
+                          "pinned": ring.pinned, "used": train_loader.ring_on,
+                          "replies_in_ring": st.ring_hits, "requests_without_slot":
+                          st.ring_misses} if ring is not None else None),
             "final_loss": round(history[-1]["loss"], 4) if history else None,
             "config": {k: v for k, v in to_dict(cfg).items()
                        if k in ("fanouts", "batch_size", "hidden", "lr", "dropout")},
@@ -239,6 +274,8 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
             pool.close()
         except Exception:
             pass
+        if ring is not None:
+            ring.close()
         if ddp.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 

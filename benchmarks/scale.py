@@ -1,0 +1,525 @@
+"""``python -m benchmarks.scale``: how sample + gather time and memory grow with the graph.
+
+An ogbn-products-sized synthetic graph (:func:`partition.synthetic.generate`) at several
+scales: ``--base-nodes`` (default 2,449,029, products' node count) times each of ``--scales``
+(default 1/4, 1/2, 1). Every scale keeps products' shape: the same average degree (default
+2 * 61,859,140 / 2,449,029 ~ 50.5 directed edges per node, so the full scale has ~61.9M
+undirected edges), 100-dim float32 features, 47 classes, ~8 % training seeds (products:
+196,615 of 2,449,029) and small valid / test splits (0.5 % each).
+
+For each scale, each step in its own subprocess (so every peak RSS belongs to that step
+alone, and the big arrays are freed when it exits):
+
+* ``generate``: generate the graph and write a 1-part partition set
+  (:func:`partition.partitioner.partition_graph`), cached under ``--cache-dir`` like
+  :func:`benchmarks.run.synthetic_parts` does (a ``<set>.prep.json`` beside the set keeps the
+  timings of the run that made it). Figures: ``generate_s``, ``partition_s`` and
+  ``prep_peak_rss_bytes`` (peak RSS of the step's process, ``getrusage(RUSAGE_SELF)``).
+* ``server``: one real mfgserve sampler server alone,
+  :func:`benchmarks.server_only.measure_server` (``--inflight`` requests kept in flight by
+  the measuring process). Its ``peak_rss_bytes`` is the server process's own peak RSS
+  (``getrusage(RUSAGE_CHILDREN)`` of the measuring process, whose only child is the server);
+  ``sampled_peak_rss_*`` are the peaks of the server's RSS polled every 0.2 s, split into
+  anonymous memory and file-backed pages (the memory-mapped partition arrays, shared with the
+  page cache).
+* ``dgl`` (unless ``--skip-dgl``): DGL's DataLoader + NeighborSampler sample + gather with
+  ``num_workers=0``, :func:`benchmarks.dgl_pipeline.sample_only_dgl`, on the whole graph
+  loaded in memory (:func:`benchmarks.dgl_pipeline.load_full_graph`). ``peak_rss_bytes`` is
+  the measuring process's peak (graph load + sampling).
+
+``batch_ms`` = 1000 / ``batches_per_s`` over ``--batches`` timed batches (2 warm-up batches
+untimed), the time per sampled + gathered batch (pipelined for the server). ``graph_bytes``
+is the size of the part's ``.npy`` files (what a server maps).
+
+Output: progress and a table on stderr; the LAST stdout line is one JSON object
+``{"machine", "config", "scales": [{"scale", "nodes", "edges", "directed_edges",
+"graph_bytes", "generate_s", "partition_s", "prep_peak_rss_bytes", "server", "dgl", ...}],
+"ratios", "errors", "wall_s", "command"}``. ``ratios`` compare the largest scale with the
+smallest (``*_growth``) or the slowest with the fastest (``*_max_over_min``); e.g.
+``server_mem_growth_vs_graph_growth`` = (server peak RSS at the largest / at the smallest
+scale) / (graph bytes at the largest / at the smallest scale): ~1 means memory grows with the
+graph, < 1 a fixed overhead on top. Exit code: 0 when every step ran, 1 when one failed (its
+error is in ``errors``; the other steps still run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from partition.layout import PartitionFormatError, PartitionSetMeta
+
+REPO = Path(__file__).resolve().parents[1]
+PRODUCTS_NODES = 2_449_029
+PRODUCTS_EDGES = 61_859_140  # undirected
+PRODUCTS_TRAIN = 196_615
+PRODUCTS_AVG_DEGREE = 2 * PRODUCTS_EDGES / PRODUCTS_NODES  # directed edges per node
+STEPS = ("generate", "server", "dgl")
+
+
+def log(msg: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _scale_list(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+    if not vals or any(not 0 < v <= 64 for v in vals):
+        raise argparse.ArgumentTypeError(f"scales must be in (0, 64], got {text!r}")
+    return sorted(set(vals))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.scale",
+        description="Scaling benchmark on an ogbn-products-sized synthetic graph: for each "
+                    "scale, generate + partition it (timed, peak memory), then measure one "
+                    "mfgserve sampler server's and DGL's per-batch sample + gather time and "
+                    "peak memory. The last stdout line is a JSON summary; progress and a table "
+                    "go to stderr. Each step runs in its own subprocess.")
+    p.add_argument("--scales", type=_scale_list, default=[0.25, 0.5, 1.0],
+                   help="comma-separated fractions of --base-nodes to measure (default "
+                        "0.25,0.5,1); the average degree is the same at every scale")
+    p.add_argument("--base-nodes", type=int, default=PRODUCTS_NODES,
+                   help=f"nodes at scale 1 (default {PRODUCTS_NODES}, ogbn-products)")
+    p.add_argument("--avg-degree", type=float, default=PRODUCTS_AVG_DEGREE,
+                   help="directed edges per node, i.e. 2 x undirected edges / nodes (default "
+                        f"{PRODUCTS_AVG_DEGREE:.4f}: ogbn-products' {PRODUCTS_EDGES:,} "
+                        f"undirected edges over {PRODUCTS_NODES:,} nodes)")
+    p.add_argument("--feat-dim", type=int, default=100, help="feature size (default 100)")
+    p.add_argument("--num-classes", type=int, default=47, help="classes (default 47)")
+    p.add_argument("--train-frac", type=float, default=round(PRODUCTS_TRAIN / PRODUCTS_NODES, 5),
+                   help="fraction of nodes that are training seeds (default "
+                        f"{PRODUCTS_TRAIN / PRODUCTS_NODES:.5f}, products' "
+                        f"{PRODUCTS_TRAIN:,} train nodes)")
+    p.add_argument("--eval-frac", type=float, default=0.005,
+                   help="fraction of nodes in each of valid and test (default 0.005)")
+    p.add_argument("--cache-dir", default="data/bench-scale",
+                   help="where the generated partition sets are cached, one per scale "
+                        "(default data/bench-scale; ~2 GB at full scale, ~3.5 GB for the default "
+                        "three scales)")
+    p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
+                   help="neighbours per layer, input layer first (default 15,10,5)")
+    p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
+    p.add_argument("--batches", type=int, default=30,
+                   help="timed batches per measurement, after 2 untimed warm-up batches "
+                        "(default 30)")
+    p.add_argument("--inflight", type=int, default=4,
+                   help="requests the server measurement keeps in flight (default 4)")
+    p.add_argument("--server-workers", type=int, default=2,
+                   help="sampling threads of the mfgserve server (default 2)")
+    p.add_argument("--skip-dgl", action="store_true",
+                   help="do not measure DGL's DataLoader (mfgserve server only)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the graphs, splits and batches (default 0)")
+    p.add_argument("--step-timeout-s", type=float, default=3600.0,
+                   help="stop a step's subprocess after this many seconds (default 3600)")
+    p.add_argument("--out", help="also write the JSON summary to this file")
+    p.add_argument("--step", choices=STEPS,
+                   help="internal: run this one step for --nodes nodes in this process and "
+                        "print its JSON (the parent runs every step this way)")
+    p.add_argument("--nodes", type=int, help="internal: node count of the --step graph")
+    return p
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def set_dir(args: argparse.Namespace, n: int) -> Path:
+    """The cached partition set of the ``n``-node graph (same naming as benchmarks.run)."""
+    tag = (f"synthetic-{n}n-d{args.avg_degree:g}-f{args.feat_dim}-c{args.num_classes}"
+           f"-tr{args.train_frac:g}-ev{args.eval_frac:g}-s{args.seed}-1part")
+    return Path(args.cache_dir) / tag
+
+
+def _prep_file(parts: Path) -> Path:
+    return parts.parent / (parts.name + ".prep.json")
+
+
+def self_peak_rss() -> int:
+    """Peak RSS of this process in bytes (Linux reports KiB, macOS bytes)."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb) * (1 if sys.platform == "darwin" else 1024)
+
+
+def children_peak_rss() -> int:
+    """Largest peak RSS among this process's waited-for children, in bytes."""
+    kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return int(kb) * (1 if sys.platform == "darwin" else 1024)
+
+
+def graph_bytes(parts: Path) -> dict:
+    """Bytes of the partition set's ``.npy`` files: the parts' own, and all of them."""
+    part = sum(f.stat().st_size for f in parts.glob("part-*/*.npy"))
+    total = sum(f.stat().st_size for f in parts.rglob("*.npy"))
+    return {"graph_bytes": part, "set_bytes": total}
+
+
+class ChildRssPoller:
+    """Polls the RSS of this process's descendants (the server) in a background thread."""
+
+    def __init__(self, interval_s: float = 0.2):
+        self.interval_s = interval_s
+        self.peak = {"rss": 0, "anon": 0, "file": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-poller")
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.wait(self.interval_s):
+            try:
+                kids = me.children(recursive=True)
+            except psutil.Error:
+                continue
+            rss = anon = file = 0
+            for k in kids:
+                try:
+                    mi = k.memory_info()
+                except psutil.Error:
+                    continue
+                shared = getattr(mi, "shared", 0)  # Linux: file-backed + shmem pages
+                rss, anon, file = rss + mi.rss, anon + mi.rss - shared, file + shared
+            for key, v in (("rss", rss), ("anon", anon), ("file", file)):
+                self.peak[key] = max(self.peak[key], v)
+
+    def __enter__(self) -> ChildRssPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# ------------------------------------------------------------------------------ steps (child)
+
+
+def step_generate(args: argparse.Namespace, n: int) -> dict:
+    """Generate + partition the ``n``-node graph unless cached; timings and peak RSS."""
+    out = set_dir(args, n)
+    try:
+        if PartitionSetMeta.load(out).num_parts == 1:
+            log(f"using cached graph {out}")
+            try:
+                prep = json.loads(_prep_file(out).read_text())
+            except (OSError, ValueError):
+                prep = {}
+            return {"parts_dir": str(out), "cached": True,
+                    "generate_s": prep.get("generate_s"),
+                    "partition_s": prep.get("partition_s"),
+                    "prep_peak_rss_bytes": prep.get("prep_peak_rss_bytes")}
+    except PartitionFormatError:
+        pass
+    from partition.partitioner import partition_graph
+    from partition.synthetic import generate
+
+    if not (0 < args.train_frac and 0 <= args.eval_frac
+            and args.train_frac + 2 * args.eval_frac <= 1):
+        raise ValueError("need 0 < --train-frac and train-frac + 2 * eval-frac <= 1")
+    log(f"generating {n:,} nodes, avg degree {args.avg_degree:.4g} "
+        f"(~{round(n * args.avg_degree / 2):,} undirected edges), {args.feat_dim}-dim "
+        f"features, {args.num_classes} classes")
+    t0 = time.perf_counter()
+    data = generate(n, avg_degree=args.avg_degree, feat_dim=args.feat_dim,
+                    num_classes=args.num_classes, seed=args.seed, progress=True)
+    perm = np.random.default_rng(args.seed + 1).permutation(n)
+    n_train, n_eval = max(1, round(args.train_frac * n)), round(args.eval_frac * n)
+    data.train = np.sort(perm[:n_train]).astype(np.int64)
+    data.valid = np.sort(perm[n_train:n_train + n_eval]).astype(np.int64)
+    data.test = np.sort(perm[n_train + n_eval:n_train + 2 * n_eval]).astype(np.int64)
+    del perm
+    generate_s = time.perf_counter() - t0
+    log(f"generated in {generate_s:.1f}s; partitioning (1 part)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        t1 = time.perf_counter()
+        partition_graph(data, 1, tmp / "set", seed=args.seed, progress=True)
+        partition_s = time.perf_counter() - t1
+        del data
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp / "set", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res = {"parts_dir": str(out), "cached": False, "generate_s": round(generate_s, 2),
+           "partition_s": round(partition_s, 2), "prep_peak_rss_bytes": self_peak_rss()}
+    _prep_file(out).write_text(json.dumps(res) + "\n")
+    log(f"wrote {out}: generate {generate_s:.1f}s, partition {partition_s:.1f}s, peak RSS "
+        f"{res['prep_peak_rss_bytes'] / 2**30:.2f} GiB")
+    return res
+
+
+def step_server(args: argparse.Namespace, parts: Path) -> dict:
+    """One mfgserve server alone; its peak RSS from RUSAGE_CHILDREN and a poller."""
+    from benchmarks.server_only import measure_server
+
+    before = children_peak_rss()  # 0 in a fresh step process
+    with ChildRssPoller() as poll:
+        res = measure_server(parts, args.fanouts, args.batch_size, args.batches,
+                             inflight=args.inflight, server_workers=args.server_workers,
+                             seed=args.seed, startup_timeout_s=600.0, request_timeout_s=600.0)
+    peak = children_peak_rss()
+    if "peak_rss_bytes" in res:  # measure_server measured the server's memory itself: use it
+        res["peak_rss_source"] = "benchmarks.server_only.measure_server"
+    else:
+        res["peak_rss_bytes"] = peak
+        res["peak_rss_source"] = ("getrusage(RUSAGE_CHILDREN)" if peak > before
+                                  else "getrusage(RUSAGE_CHILDREN), includes an earlier child")
+    res["rusage_children_peak_rss_bytes"] = peak
+    res["sampled_peak_rss_bytes"] = poll.peak["rss"]
+    res["sampled_peak_rss_anon_bytes"] = poll.peak["anon"]
+    res["sampled_peak_rss_file_bytes"] = poll.peak["file"]
+    res["batch_ms"] = round(1000.0 / res["batches_per_s"], 2) if res.get("batches_per_s") \
+        else None
+    return res
+
+
+def step_dgl(args: argparse.Namespace, parts: Path) -> dict:
+    """DGL DataLoader sample + gather (num_workers 0) on the whole graph; this process's peak."""
+    from benchmarks import dgl_pipeline
+
+    fg = dgl_pipeline.load_full_graph(parts)
+    log(f"DGL graph loaded in {fg.load_s:.1f}s")
+    res = dgl_pipeline.sample_only_dgl(fg, args.fanouts, args.batch_size, args.batches,
+                                       num_workers=0, seed=args.seed)
+    res["load_s"] = round(fg.load_s, 2)
+    res["peak_rss_bytes"] = self_peak_rss()
+    res["peak_rss_source"] = "getrusage(RUSAGE_SELF) of the measuring process (load + sample)"
+    res["batch_ms"] = round(1000.0 / res["batches_per_s"], 2) if res.get("batches_per_s") \
+        else None
+    return res
+
+
+def run_step_here(args: argparse.Namespace) -> int:
+    """``--step``: one step in this process; the JSON result is the last stdout line."""
+    if args.nodes is None or args.nodes < 2:
+        raise SystemExit("--step needs --nodes N (N >= 2)")
+    warnings.filterwarnings("ignore", message=".*CPU affinity.*")
+    if args.step == "generate":
+        res = step_generate(args, args.nodes)
+    else:
+        parts = set_dir(args, args.nodes)
+        PartitionSetMeta.load(parts)  # a clear error when the set is missing
+        res = step_server(args, parts) if args.step == "server" else step_dgl(args, parts)
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------ parent
+
+
+def _step_argv(args: argparse.Namespace, step: str, n: int) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.scale", "--step", step, "--nodes", str(n),
+            "--avg-degree", repr(args.avg_degree), "--feat-dim", str(args.feat_dim),
+            "--num-classes", str(args.num_classes), "--train-frac", repr(args.train_frac),
+            "--eval-frac", repr(args.eval_frac), "--cache-dir", str(args.cache_dir),
+            "--fanouts", ",".join(map(str, args.fanouts)), "--batch-size", str(args.batch_size),
+            "--batches", str(args.batches), "--inflight", str(args.inflight),
+            "--server-workers", str(args.server_workers), "--seed", str(args.seed)]
+
+
+def run_step(args: argparse.Namespace, step: str, n: int) -> dict:
+    """Run one step in a subprocess (stderr passed through); its last stdout line is JSON."""
+    argv = _step_argv(args, step, n)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
+                            text=True, cwd=REPO)
+    try:
+        out, _ = proc.communicate(timeout=args.step_timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # a server child dies with it (PDEATHSIG)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise RuntimeError(f"step {step} ({n} nodes) did not finish within "
+                           f"{args.step_timeout_s:.0f}s (raise --step-timeout-s)") from None
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    if proc.returncode != 0:
+        raise RuntimeError(f"step {step} ({n} nodes) exited with code {proc.returncode} (its "
+                           f"stderr is above); last stdout line: "
+                           f"{lines[-1] if lines else '<none>'}")
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError) as e:
+        raise RuntimeError(f"step {step} printed no JSON as its last stdout line: {e}") from e
+    res["step_wall_s"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if not num or not den:
+        return None
+    return round(num / den, 3)
+
+
+def compute_ratios(scales: list[dict]) -> dict:
+    """Growth from the smallest to the largest measured scale; slowest over fastest batch."""
+    ok = [s for s in scales if s.get("graph_bytes")]
+    r: dict = {}
+    if not ok:
+        return r
+    lo, hi = min(ok, key=lambda s: s["scale"]), max(ok, key=lambda s: s["scale"])
+    r["from_scale"], r["to_scale"] = lo["scale"], hi["scale"]
+    r["node_growth"] = _ratio(hi["nodes"], lo["nodes"])
+    r["graph_growth"] = _ratio(hi["graph_bytes"], lo["graph_bytes"])
+    for sys_name in ("server", "dgl"):
+        times = [s[sys_name]["batch_ms"] for s in scales
+                 if isinstance(s.get(sys_name), dict) and s[sys_name].get("batch_ms")]
+        r[f"{sys_name}_batch_time_max_over_min"] = (_ratio(max(times), min(times))
+                                                    if len(times) > 1 else None)
+        mem_lo = (lo.get(sys_name) or {}).get("peak_rss_bytes")
+        mem_hi = (hi.get(sys_name) or {}).get("peak_rss_bytes")
+        t_lo = (lo.get(sys_name) or {}).get("batch_ms")
+        t_hi = (hi.get(sys_name) or {}).get("batch_ms")
+        r[f"{sys_name}_batch_time_growth"] = _ratio(t_hi, t_lo)
+        r[f"{sys_name}_mem_growth"] = _ratio(mem_hi, mem_lo)
+        r[f"{sys_name}_mem_growth_vs_graph_growth"] = _ratio(r[f"{sys_name}_mem_growth"],
+                                                             r["graph_growth"])
+    r["prep_peak_rss_growth"] = _ratio(hi.get("prep_peak_rss_bytes"),
+                                       lo.get("prep_peak_rss_bytes"))
+    r["server_over_dgl_batch_time"] = {
+        str(s["scale"]): _ratio((s.get("server") or {}).get("batch_ms"),
+                                (s.get("dgl") or {}).get("batch_ms")) for s in scales}
+    return r
+
+
+def _mb(v) -> str:
+    return "-" if not v else f"{v / 1e6:,.0f}"
+
+
+def _num(v, fmt: str = ",.1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def print_table(summary: dict) -> None:
+    rows = [("scale", "nodes", "edges", "graph MB", "gen s", "part s", "prep peak MB",
+             "server ms/batch", "server peak MB", "dgl ms/batch", "dgl peak MB")]
+    for s in summary["scales"]:
+        srv, dgl = s.get("server") or {}, s.get("dgl") or {}
+        rows.append((f"{s['scale']:g}", _num(s.get("nodes"), ","), _num(s.get("edges"), ","),
+                     _mb(s.get("graph_bytes")), _num(s.get("generate_s")),
+                     _num(s.get("partition_s")), _mb(s.get("prep_peak_rss_bytes")),
+                     _num(srv.get("batch_ms")), _mb(srv.get("peak_rss_bytes")),
+                     _num(dgl.get("batch_ms")), _mb(dgl.get("peak_rss_bytes"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    m, c = summary["machine"], summary["config"]
+    print(f"\nproducts-scale synthetic graphs: avg degree {c['avg_degree']:.4g}, "
+          f"{c['feat_dim']}-dim features; fanouts {c['fanouts']}, batch {c['batch_size']}, "
+          f"{c['batches']} timed batches", file=sys.stderr)
+    print(f"machine: {m.get('cores')} cores, {m.get('ram_gb')} GB, torch {m.get('torch')}, "
+          f"dgl {m.get('dgl')}, load avg {m.get('loadavg_start')} -> {m.get('loadavg_end')}",
+          file=sys.stderr)
+    print("\n".join(lines), file=sys.stderr)
+    r = summary["ratios"]
+    print(f"ratios ({r.get('from_scale')} -> {r.get('to_scale')}): graph x"
+          f"{r.get('graph_growth')}, server memory x{r.get('server_mem_growth')} "
+          f"(vs graph {r.get('server_mem_growth_vs_graph_growth')}), DGL memory "
+          f"x{r.get('dgl_mem_growth')} (vs graph {r.get('dgl_mem_growth_vs_graph_growth')}); "
+          f"batch time max/min: server {r.get('server_batch_time_max_over_min')}, DGL "
+          f"{r.get('dgl_batch_time_max_over_min')}", file=sys.stderr)
+    for k, e in summary["errors"].items():
+        print(f"FAILED {k}: {e.splitlines()[0][:200] if e else ''}", file=sys.stderr)
+    print(file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.step:
+        return run_step_here(args)
+    from benchmarks.run import machine_info
+
+    t_start = time.perf_counter()
+    machine = machine_info()
+    config = {"scales": args.scales, "base_nodes": args.base_nodes,
+              "avg_degree": args.avg_degree, "feat_dim": args.feat_dim,
+              "num_classes": args.num_classes, "train_frac": args.train_frac,
+              "eval_frac": args.eval_frac, "fanouts": args.fanouts,
+              "batch_size": args.batch_size, "batches": args.batches, "warmup_batches": 2,
+              "inflight": args.inflight, "server_workers": args.server_workers,
+              "dgl_num_workers": 0, "skip_dgl": args.skip_dgl, "seed": args.seed,
+              "cache_dir": str(args.cache_dir)}
+    scales: list[dict] = []
+    errors: dict[str, str] = {}
+    for scale in args.scales:
+        n = max(2, round(scale * args.base_nodes))
+        entry: dict = {"scale": scale, "nodes": n}
+        scales.append(entry)
+
+        def step(name: str, n: int = n, scale: float = scale) -> dict | None:
+            key = f"{scale:g}:{name}"
+            log(f"scale {scale:g} ({n:,} nodes): {name}")
+            t0 = time.perf_counter()
+            load0 = os.getloadavg()[0]
+            try:
+                res = run_step(args, name, n)
+                res["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+                log(f"{key}: done in {time.perf_counter() - t0:.1f}s: {json.dumps(res)}")
+                return res
+            except Exception as e:  # one failed step must not lose the others
+                errors[key] = f"{type(e).__name__}: {e}"
+                log(f"{key}: FAILED after {time.perf_counter() - t0:.1f}s\n"
+                    f"{traceback.format_exc()}")
+                return None
+
+        prep = step("generate")
+        if prep is None:
+            continue
+        parts = Path(prep["parts_dir"])
+        meta = PartitionSetMeta.load(parts)
+        entry.update({"nodes": meta.num_nodes, "edges": meta.num_edges // 2,
+                      "directed_edges": meta.num_edges,
+                      "num_train": sum(p.num_train for p in meta.parts),
+                      **graph_bytes(parts), "parts_dir": str(parts),
+                      "cached": prep["cached"], "generate_s": prep["generate_s"],
+                      "partition_s": prep["partition_s"],
+                      "prep_peak_rss_bytes": prep["prep_peak_rss_bytes"]})
+        entry["server"] = step("server")
+        entry["dgl"] = None if args.skip_dgl else step("dgl")
+        srv, dgl = entry["server"] or {}, entry["dgl"] or {}
+        entry["server_over_dgl_batch_time"] = _ratio(srv.get("batch_ms"), dgl.get("batch_ms"))
+
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    summary = {"machine": machine, "config": config, "scales": scales,
+               "ratios": compute_ratios(scales), "errors": errors,
+               "wall_s": round(time.perf_counter() - t_start, 1),
+               "command": " ".join(["python -m benchmarks.scale",
+                                    *(argv if argv is not None else sys.argv[1:])])}
+    print_table(summary)
+    line = json.dumps(summary)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line, flush=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

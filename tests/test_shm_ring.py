@@ -1,0 +1,181 @@
+"""Shared-memory replies (common.shm_ring) between real server processes and a trainer-side
+loader: features land in the trainer's ring and equal the original rows; anything the ring
+cannot take (slot too small, no slot free, a slot a server may not use) goes on the wire."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from common.messages import MFGReply, SampleRequest
+from common.rpc import RpcChannel
+from common.shm_ring import HEADER_BYTES, ShmRing, ShmWriter, SlotRef
+from tests.test_mfg_oracle import Oracle, mixed_seeds, start_cluster
+from trainer_client.feature_cache import FeatureCache
+from trainer_client.loader import DistNodeDataLoader
+from trainer_client.server_pool import ServerPool
+
+pytestmark = pytest.mark.timeout(180)
+
+FANOUTS = [5, 5]
+
+
+def _loader(pool, info, parts, ring, **kw):
+    from partition.layout import load_partition
+
+    seeds = torch.cat([torch.from_numpy(np.array(load_partition(parts, p).train, dtype=np.int64))
+                       for p in range(info.num_parts)])
+    return DistNodeDataLoader(pool, seeds, info.node_offsets, fanouts=FANOUTS, batch_size=64,
+                              shuffle=False, ring=ring, max_inflight=3, **kw)
+
+
+def _check_rows(mfg, graph, oracle):
+    want = graph.feat[oracle.n2o[mfg.input_nodes.numpy()]]
+    got = mfg[0].srcdata["feat"]
+    np.testing.assert_allclose(got.float().numpy(), want, rtol=1e-2 if got.element_size() == 2
+                               else 0, atol=1e-2 if got.element_size() == 2 else 0)
+
+
+@pytest.fixture
+def pool2(server_factory, synth_parts2, tmp_path):
+    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
+    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("feat_transfer,cache_ratio", [("", 0.0), ("float16", 0.0),
+                                                       ("", 0.25)])
+def test_features_arrive_in_ring(feat_transfer, cache_ratio, pool2, synth_graph, synth_parts2):
+    info = pool2.info()
+    oracle = Oracle(synth_graph, synth_parts2)
+    ring = ShmRing(5, 4 << 20)
+    cache = (FeatureCache.fill(pool2, 2, info.num_nodes, cache_ratio, feat_transfer,
+                               torch.device("cpu")) if cache_ratio else None)
+    loader = _loader(pool2, info, synth_parts2, ring, feat_transfer=feat_transfer,
+                     cache=cache, cache_ratio=cache_ratio)
+    bytes0 = pool2.bytes_received + sum(c.bytes_received for c in pool2.channels.values())
+    n = 0
+    for _, _, mfg in loader:
+        _check_rows(mfg, synth_graph, oracle)
+        n += 1
+    assert n == len(loader) and loader.stats.ring_hits == n
+    assert loader.ring_on and loader.stats.ring_misses == 0
+    # The features did not travel through the socket: a few KB per batch at most.
+    rx = sum(c.bytes_received for c in pool2.channels.values()) - bytes0
+    assert rx < n * 64 * 11 * 11 * 8 * 4, rx
+    # Every slot comes back once no batch is held.
+    del mfg
+    assert sorted(ring.free + [s for s, _ in ring.pending]) == list(range(5))
+    ring.close()
+
+
+def test_held_batches_keep_their_slots(pool2, synth_graph, synth_parts2):
+    """A batch kept by the caller keeps its slot: with every batch held the ring runs out
+    and later batches come on the wire, all still correct."""
+    info = pool2.info()
+    oracle = Oracle(synth_graph, synth_parts2)
+    ring = ShmRing(2, 4 << 20)
+    loader = _loader(pool2, info, synth_parts2, ring)
+    held = [mfg for _, _, mfg in loader]
+    assert len(held) > 4
+    assert loader.stats.ring_hits == 2 and loader.stats.ring_misses == len(held) - 2
+    for mfg in held:
+        _check_rows(mfg, synth_graph, oracle)
+    del held, mfg
+    assert len(ring.free) + len(ring.pending) == 2
+    ring.close()
+
+
+def test_slot_too_small_goes_on_wire(pool2, synth_graph, synth_parts2):
+    info = pool2.info()
+    oracle = Oracle(synth_graph, synth_parts2)
+    ring = ShmRing(4, 4096)
+    loader = _loader(pool2, info, synth_parts2, ring)
+    for _, _, mfg in loader:
+        _check_rows(mfg, synth_graph, oracle)
+    assert loader.stats.ring_hits == 0 and loader.ring_on
+    ring.close()
+
+
+def test_abandoned_iteration_returns_slots(pool2, synth_parts2):
+    info = pool2.info()
+    ring = ShmRing(5, 4 << 20)
+    loader = _loader(pool2, info, synth_parts2, ring)
+    it = iter(loader)
+    next(it)
+    it.close()  # requests in flight are waited for, their slots returned
+    del it
+    assert not ring.poisoned and not ring.in_use
+    ring.close()
+
+
+def _raw_call(ep: str, req: SampleRequest) -> MFGReply:
+    ctx = zmq.Context()
+    try:
+        ch = RpcChannel(ctx, ep, timeout_s=30, setting="test")
+        reply = ch.call(req)
+        ch.close()
+        return reply
+    finally:
+        ctx.term()
+
+
+def test_server_refuses_what_is_not_a_ring(server_factory, synth_parts1, synth_graph,
+                                           tmp_path):
+    """A slot naming a regular file, a wrong token or a dead pid is not written; the reply
+    says why and carries the features on the wire; the server keeps serving."""
+    cluster = start_cluster(server_factory, synth_parts1, tmp_path, 1)
+    ep = cluster.partitions[0][0]
+    oracle = Oracle(synth_graph, synth_parts1)
+    seeds = mixed_seeds(synth_parts1, 20, 3)
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"\0" * (1 << 20))
+    ring = ShmRing(1, 1 << 20)
+    fd = os.open(victim, os.O_RDWR)
+    try:
+        cases = {
+            "regular file": SlotRef(os.getpid(), fd, ring.token, HEADER_BYTES, 1 << 19),
+            "wrong token": SlotRef(os.getpid(), ring.fd, "ab" * 16, HEADER_BYTES, 1 << 19),
+            "dead pid": SlotRef(2**22 + 7, ring.fd, ring.token, HEADER_BYTES, 1 << 19),
+            "outside": SlotRef(os.getpid(), ring.fd, ring.token, HEADER_BYTES, 1 << 30),
+        }
+        for what, ref in cases.items():
+            reply = _raw_call(ep, SampleRequest(
+                seeds=seeds, fanouts=[3], shm_pid=ref.pid, shm_fd=ref.fd, shm_token=ref.token,
+                shm_offset=ref.offset, shm_capacity=ref.capacity))
+            assert reply.feat_shm_rows == -1 and reply.shm_error, what
+            np.testing.assert_array_equal(
+                reply.feat.numpy(), synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
+        assert victim.read_bytes() == b"\0" * (1 << 20), "a non-ring file was written"
+        ok = ring.ref(ring.acquire())
+        reply = _raw_call(ep, SampleRequest(
+            seeds=seeds, fanouts=[3], shm_pid=ok.pid, shm_fd=ok.fd, shm_token=ok.token,
+            shm_offset=ok.offset, shm_capacity=ok.capacity))
+        assert reply.feat_shm_rows == reply.input_nodes.numel() and not reply.shm_error
+        got = ring.view(0, reply.feat_shm_rows, reply.feat.shape[1], reply.feat.dtype)
+        np.testing.assert_array_equal(
+            got.numpy(), synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
+        del got
+    finally:
+        os.close(fd)
+        ring.close()
+
+
+def test_writer_unmaps_idle_rings():
+    ring = ShmRing(2, 8192)
+    writer = ShmWriter(idle_s=0.0)
+    slot = ring.acquire()
+    ref = ring.ref(slot)
+    t = writer.target(ref, 2, 3, torch.float32)
+    t.copy_(torch.arange(6, dtype=torch.float32).view(2, 3))
+    del t
+    assert ring.view(slot, 2, 3, torch.float32).sum().item() == 15
+    assert writer.target(ref, 10_000, 3, torch.float32) is None  # does not fit
+    writer.expire()
+    assert not writer.maps
+    ring.close()
