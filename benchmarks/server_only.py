@@ -41,6 +41,7 @@ from common.messages import (
     StatsRequest,
 )
 from common.rpc import RpcChannel, expect
+from common.shm_ring import ShmRing
 from deploy.processes import ProcessGroup
 from partition.layout import PartitionSetMeta
 
@@ -76,14 +77,18 @@ def _batches(seeds: torch.Tensor, batch_size: int, seed: int):
 def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
                    num_batches: int, inflight: int = 4, server_workers: int = 2,
                    warmup: int = 2, seed: int = 0, startup_timeout_s: float = 120.0,
-                   request_timeout_s: float = 120.0, max_message_mb: int = 512) -> dict:
-    """Start the server(s), stream ``num_batches`` sampled batches, stop them; see module doc."""
+                   request_timeout_s: float = 120.0, max_message_mb: int = 512,
+                   shm_ring: bool = True, sampler_procs: int = 0) -> dict:
+    """Start the server(s), stream ``num_batches`` sampled batches, stop them; see module doc.
+    ``shm_ring``: offer the server ring slots as a co-located trainer does (features are
+    gathered into this process's shared memory instead of sent through the socket)."""
     meta = PartitionSetMeta.load(parts_dir)
     run_dir = Path(tempfile.mkdtemp(prefix="mfgserve-bench-"))
     group = ProcessGroup()
     endpoints: list[str] = []
     ctx = zmq.Context()
     ch: RpcChannel | None = None
+    ring: ShmRing | None = None
     try:
         cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}.sock"] for p in range(meta.num_parts)})
         cluster_file = run_dir / "cluster.yaml"
@@ -93,7 +98,8 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
             argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts_dir),
                     "--part-id", str(p), "--bind", ep, "--ready-file", str(ready_files[p]),
                     "--num-workers", str(server_workers), "--max-queue", str(max(64, inflight)),
-                    "--max-message-mb", str(max_message_mb), "--seed", str(seed + p)]
+                    "--max-message-mb", str(max_message_mb), "--seed", str(seed + p),
+                    "--sampler-procs", str(sampler_procs)]
             if meta.num_parts > 1:
                 argv += ["--cluster", str(cluster_file)]
             group.spawn(f"server p{p}", argv)
@@ -109,15 +115,39 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
         if train.numel() == 0:
             raise ServerBenchError(f"part 0 of {parts_dir} has no training seeds to sample")
         stream = _batches(train, batch_size, seed)
+        if shm_ring:
+            bound = batch_size
+            for f in fanouts:
+                bound = meta.num_nodes if f < 0 else min(meta.num_nodes, bound * (1 + f))
+            ring = ShmRing(inflight, bound * meta.feat_dim * 4)
+        slots: dict[int, int] = {}
+
+        def send() -> None:
+            req = SampleRequest(seeds=next(stream), fanouts=list(fanouts))
+            slot = ring.acquire() if ring is not None else None
+            if slot is not None:
+                ref = ring.ref(slot)
+                req.shm_pid, req.shm_fd, req.shm_token = ref.pid, ref.fd, ref.token
+                req.shm_offset, req.shm_capacity = ref.offset, ref.capacity
+            rid = ch.send(req)  # type: ignore[union-attr]
+            if slot is not None:
+                slots[rid] = slot
+
         total = num_batches + warmup
-        sent = received = seeds_done = input_nodes = 0
+        sent = received = seeds_done = input_nodes = in_ring = 0
         bytes0 = 0
         t0 = time.perf_counter()
         while sent < min(inflight, total):
-            ch.send(SampleRequest(seeds=next(stream), fanouts=list(fanouts)))
+            send()
             sent += 1
         while received < total:
-            reply = expect(ch.recv(waiting_for="a sampled MFG")[0], MFGReply, ep)
+            msg, rid = ch.recv(waiting_for="a sampled MFG")
+            reply = expect(msg, MFGReply, ep)
+            if reply.shm_error:
+                raise ServerBenchError(f"the server could not use the ring: {reply.shm_error}")
+            if rid in slots:
+                in_ring += reply.feat_shm_rows >= 0
+                ring.release(slots.pop(rid))  # type: ignore[union-attr]
             received += 1
             if received == warmup:  # timing starts once the warm-up replies are in
                 t0, bytes0 = time.perf_counter(), ch.bytes_received
@@ -126,7 +156,7 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
                 input_nodes += reply.input_nodes.numel()
             del reply
             if sent < total:
-                ch.send(SampleRequest(seeds=next(stream), fanouts=list(fanouts)))
+                send()
                 sent += 1
         if warmup == 0:
             bytes0 = 0
@@ -137,6 +167,7 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
             "parts": meta.num_parts,
             "servers": len(endpoints),
             "server_workers": server_workers,
+            "sampler_procs": sampler_procs,
             "inflight": inflight,
             "batches": num_batches,
             "seeds": seeds_done,
@@ -145,15 +176,21 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
             "seeds_per_s": round(seeds_done / max(elapsed, 1e-9), 1),
             "mb_per_s": round(nbytes / max(elapsed, 1e-9) / 1e6, 2),
             "input_nodes_per_batch": round(input_nodes / max(num_batches, 1), 1),
+            "shm_ring": shm_ring,
+            "replies_in_ring": in_ring,
             "startup_s": round(startup_s, 3),
             "server_stats": {k: (round(v, 4) if k.endswith("_s") else int(v))
                              for k, v in stats.items()
                              if k in ("sample_requests", "sample_s", "gather_s", "remote_s",
-                                      "encode_s", "busy", "errors", "bytes_out")},
+                                      "encode_s", "busy", "errors", "bytes_out",
+                                      "sampler_processes")
+                             or k.startswith("mem_")},
         }
     finally:
         if ch is not None:
             ch.close()
+        if ring is not None:
+            ring.close()
         result_stop = _stop(ctx, group, endpoints)
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -193,12 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-batches", type=int, default=40)
     p.add_argument("--inflight", type=int, default=4, help="requests kept in flight")
     p.add_argument("--server-workers", type=int, default=2, help="sampling threads per server")
+    p.add_argument("--sampler-procs", type=int, default=0,
+                   help="sampler processes per server (0: --server-workers threads)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shm-ring", action=argparse.BooleanOptionalAction, default=True,
+                   help="offer the server shared-memory slots for the features, as a "
+                        "co-located trainer does (default: on)")
     args = p.parse_args(argv)
     fanouts = [int(x) for x in args.fanouts.split(",")]
     result = measure_server(args.parts, fanouts, args.batch_size, args.num_batches,
                             inflight=args.inflight, server_workers=args.server_workers,
-                            seed=args.seed)
+                            seed=args.seed, shm_ring=args.shm_ring,
+                            sampler_procs=args.sampler_procs)
     print(json.dumps(result), flush=True)
     return 0
 

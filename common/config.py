@@ -56,7 +56,10 @@ class ServerConfig:
         "cluster YAML listing server endpoints per partition; needed when the partition set has "
         "more than one part, so this server can sample and fetch across part boundaries",
     )
-    num_workers: int = opt(2, "sampling threads per server process")
+    num_workers: int = opt(2, "sampling threads per server process (when --sampler-procs is 0)")
+    sampler_procs: int = opt(
+        0, "sampler worker processes per server, each mapping the same partition files (the "
+        "page cache holds one copy); 0 samples in --num-workers threads of the server process")
     max_queue: int = opt(64, "sample requests queued per server before it replies 'busy'")
     max_message_mb: int = opt(512, "largest message accepted or sent, in MiB")
     peer_timeout_s: float = opt(
@@ -84,6 +87,8 @@ class ServerConfig:
             raise ConfigError(f"--part-id must be >= 0, got {self.part_id}")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if self.sampler_procs < 0:
+            raise ConfigError(f"--sampler-procs must be >= 0, got {self.sampler_procs}")
         if self.max_queue < 1:
             raise ConfigError(f"--max-queue must be >= 1, got {self.max_queue}")
         if self.peer_timeout_s <= 0:

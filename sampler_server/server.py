@@ -1,17 +1,27 @@
-"""The sampler server process: one ROUTER socket, an IO loop, and sampling threads.
+"""The sampler server process: one ROUTER socket, an IO loop, and sampling workers.
 
-Threads and sockets::
+Threads, sockets and (with ``--sampler-procs N``) processes::
 
     trainers / peers --> ROUTER (IO thread) --SAMPLE jobs--> bounded queue --> sampler threads
                                ^                                                 |
                                +------ PULL (inproc) <------ PUSH (per thread) --+
 
+    with --sampler-procs N, instead of threads:
+    trainers / peers --> ROUTER (IO thread) --jobs--> ROUTER backend (private ipc) --> N sampler
+                               ^                                                   processes
+                               +------------------ replies, stats <----------------+
+
 The IO thread answers cheap, local-only requests inline (PING, NEIGHBORS_REQ, NODE_DATA_REQ,
 SEEDS_REQ, STATS_REQ, SHUTDOWN) so that a peer's request is never stuck behind a full-MFG job
 that itself waits on that peer: two servers sampling across each other cannot deadlock.
-SAMPLE requests go to the sampler threads through a bounded queue; when it is full the client
-gets a ``busy`` error reply (its credits should prevent that). Every malformed message gets an
-``ERROR`` reply and the server keeps serving.
+SAMPLE requests go to the samplers through a bounded queue (sampler processes take a job only
+when idle); when it is full the client gets a ``busy`` error reply (its credits should prevent
+that). Every malformed message gets an ``ERROR`` reply and the server keeps serving. A sampler
+thread or process that breaks stops the server (exit 1), so clients fail over.
+
+Sampler processes map the same partition files, so the page cache holds one copy of the
+partition for all of them; ``STATS`` reports the memory of the server and its workers (rss,
+pss, uss from psutil).
 """
 
 from __future__ import annotations
@@ -19,20 +29,26 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
+import psutil
 import torch
 import zmq
 
 from common import codec
 from common.cluster import ClusterSpec
 from common.config import ServerConfig
-from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, RemoteError
+from common.errors import MfgServeError, ProtocolError
 from common.messages import (
     FEAT_TRANSFER_DTYPES,
     Ack,
@@ -40,7 +56,6 @@ from common.messages import (
     CacheFillRequest,
     ErrorReply,
     Message,
-    MFGReply,
     NeighborsReply,
     NeighborsRequest,
     NodeDataReply,
@@ -54,14 +69,34 @@ from common.messages import (
     StatsReply,
     StatsRequest,
 )
-from common.shm_ring import ShmError, ShmWriter, SlotRef
 from common.sockets import CurveKeys, bound_endpoint, make_socket
-from partition.layout import HOT_RANK_FILE, cached_mask, load_hot_rank
-from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
+from deploy.processes import _die_with_parent
+from partition.layout import load_hot_rank
 from sampler_server.partition_store import PartitionStore
-from sampler_server.peer_client import WirePeers
+from sampler_server.sample_worker import STAT_KEYS, SampleWorker, hot_rank_or_error, peer_keys
+from sampler_server.sampler_proc import T_IN, worker_argv
 
 log = logging.getLogger("mfgserve.server")
+SAMPLER_START_TIMEOUT_S = 300.0
+
+
+def process_memory() -> dict[str, float]:
+    """This process's and its children's memory (psutil): rss sums resident pages (shared
+    ones counted once per process), pss splits shared pages among the processes mapping them
+    (the honest total), uss is what exiting them would free."""
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    out = {"mem_rss_bytes": 0.0, "mem_pss_bytes": 0.0, "mem_uss_bytes": 0.0,
+           "sampler_processes": float(len(procs))}
+    for proc in procs:
+        try:
+            info = proc.memory_full_info()
+        except (psutil.Error, OSError):
+            continue
+        out["mem_rss_bytes"] += info.rss
+        out["mem_pss_bytes"] += getattr(info, "pss", info.rss)
+        out["mem_uss_bytes"] += getattr(info, "uss", info.rss)
+    return out
 
 
 class SamplerServer:
@@ -90,15 +125,7 @@ class SamplerServer:
             self.authenticator.start()
             self.authenticator.configure_curve(domain="*",
                                                location=cfg.curve_authorized_keys)
-            if self.cluster is not None:
-                if not self.cluster.curve_server_key:
-                    raise MfgServeError(f"cluster file {cfg.cluster} has no curve_server_key, "
-                                        "but this server uses CurveZMQ; add it")
-                # Towards its peers a server is a client with its own keypair.
-                self.peer_keys = CurveKeys(server_keys.public, server_keys.secret,
-                                           CurveKeys.load(cfg.curve_secret_key,
-                                                          self.cluster.curve_server_key
-                                                          ).server_public)
+            self.peer_keys = peer_keys(cfg, self.cluster)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, cfg.bind, bind=True, hwm=10000,
                                     max_message_bytes=self.max_bytes, curve=server_keys,
                                     heartbeat_s=cfg.heartbeat_s,
@@ -116,8 +143,50 @@ class SamplerServer:
             "remote_requests": 0, "remote_bytes": 0, "seeds_served": 0,
         }
         self.stats_lock = threading.Lock()
-        self.workers = [threading.Thread(target=self._worker, args=(i,), daemon=True,
-                                         name=f"sampler-{i}") for i in range(cfg.num_workers)]
+        self.workers: list[threading.Thread] = []
+        self.procs: list[subprocess.Popen] = []
+        self.backend = None
+        self.proc_dir: str | None = None
+        self.pending: deque = deque()  # process mode: jobs not yet given to a process
+        self.idle: deque = deque()  # process mode: identities of idle sampler processes
+        if cfg.sampler_procs > 0:
+            self._start_procs()
+        else:
+            self.workers = [threading.Thread(target=self._worker, args=(i,), daemon=True,
+                                             name=f"sampler-{i}")
+                            for i in range(cfg.num_workers)]
+
+    def _start_procs(self) -> None:
+        """Start the sampler processes and wait until each has loaded the partition."""
+        self.proc_dir = tempfile.mkdtemp(prefix="mfgserve-samplers-")  # 0700
+        backend_ep = f"ipc://{self.proc_dir}/backend.sock"
+        self.backend = make_socket(self.ctx, zmq.ROUTER, backend_ep, bind=True, hwm=0)
+        for i in range(self.cfg.sampler_procs):
+            self.procs.append(subprocess.Popen(worker_argv(self.cfg, backend_ep, i),
+                                               stdin=subprocess.DEVNULL,
+                                               preexec_fn=_die_with_parent))
+        deadline = time.monotonic() + SAMPLER_START_TIMEOUT_S
+        while len(self.idle) < len(self.procs):
+            self._check_procs()
+            if self.fatal:
+                raise MfgServeError(f"part {self.cfg.part_id}: {self.fatal}")
+            if time.monotonic() > deadline:
+                raise MfgServeError(
+                    f"part {self.cfg.part_id}: {len(self.procs) - len(self.idle)} sampler "
+                    f"process(es) not ready after {SAMPLER_START_TIMEOUT_S:.0f}s; use fewer "
+                    "--sampler-procs or check memory")
+            if self.backend.poll(200):
+                frames = self.backend.recv_multipart()
+                if frames[1] == b"READY":
+                    self.idle.append(frames[0])
+
+    def _check_procs(self) -> None:
+        for i, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and not self.fatal:
+                self.fatal = (f"sampler process {i} (pid {proc.pid}) exited with code {code}; "
+                              "see its log lines above")
+                self.stop_event.set()
 
     # ------------------------------------------------------------------ IO thread
     def serve_forever(self) -> None:
@@ -131,11 +200,17 @@ class SamplerServer:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
+        if self.backend is not None:
+            poller.register(self.backend, zmq.POLLIN)
         try:
             while not self.stop_event.is_set():
                 events = dict(poller.poll(200))
+                if self.procs:
+                    self._check_procs()
                 if self.results in events:
                     self._drain_results()
+                if self.backend is not None and self.backend in events:
+                    self._drain_backend()
                 if self.frontend in events:
                     for _ in range(64):  # bounded burst, then look at results again
                         try:
@@ -153,6 +228,34 @@ class SamplerServer:
             except zmq.Again:
                 return
             self.frontend.send_multipart(frames, copy=False)
+
+    def _drain_backend(self) -> None:
+        """Replies from sampler processes: add their stats, forward, hand out more jobs."""
+        assert self.backend is not None
+        while True:
+            try:
+                frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            wid, kind = frames[0].bytes, frames[1].bytes
+            if kind == b"R":
+                self._add_stats(msgpack.unpackb(frames[2].bytes))
+                self.frontend.send_multipart(frames[3:], copy=False)
+            self.idle.append(wid)
+        self._pump_jobs()
+
+    def _pump_jobs(self) -> None:
+        assert self.backend is not None
+        while self.idle and self.pending:
+            ident, body, t_in = self.pending.popleft()
+            self.backend.send_multipart([self.idle.popleft(), b"JOB", ident,
+                                         T_IN.pack(t_in), *body], copy=False)
+
+    def _add_stats(self, delta: dict) -> None:
+        with self.stats_lock:
+            for k, v in delta.items():
+                if k in STAT_KEYS:
+                    self.stats[k] += v
 
     def _reply(self, ident: Any, msg: Message, rid: int) -> None:
         frames = codec.encode(msg, rid)
@@ -173,7 +276,7 @@ class SamplerServer:
         rid = codec.peek_request_id(body[0])
         try:
             msg, rid = codec.decode(body, self.max_bytes)
-            self._dispatch(ident, msg, rid)
+            self._dispatch(ident, msg, rid, body)
         except ProtocolError as e:
             self._error(ident, rid, e.code, str(e))
         except (ValueError, RuntimeError, MfgServeError) as e:
@@ -182,7 +285,7 @@ class SamplerServer:
             log.exception("part %d: internal error", self.cfg.part_id)
             self._error(ident, rid, "internal", f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, ident: Any, msg: Message, rid: int) -> None:
+    def _dispatch(self, ident: Any, msg: Message, rid: int, body: list) -> None:
         store = self.store
         if isinstance(msg, SampleRequest):
             n, top = store.meta.num_nodes, int(msg.seeds.max())  # check() ensured non-empty
@@ -191,7 +294,13 @@ class SamplerServer:
                                     f"seed id {top} is outside [0, {n}): dataset "
                                     f"{store.meta.dataset} has {n} nodes")
             try:
-                self.jobs.put_nowait((ident, msg, rid, time.perf_counter()))
+                if self.backend is not None:
+                    if len(self.pending) >= self.cfg.max_queue:
+                        raise queue.Full
+                    self.pending.append((ident, body, time.perf_counter()))
+                    self._pump_jobs()
+                else:
+                    self.jobs.put_nowait((ident, msg, rid, time.perf_counter()))
             except queue.Full:
                 self.stats["busy"] += 1
                 self._error(ident, rid, "busy",
@@ -217,7 +326,9 @@ class SamplerServer:
         elif isinstance(msg, StatsRequest):
             with self.stats_lock:
                 values = dict(self.stats)
-            values["queue_len"] = self.jobs.qsize()
+            values["queue_len"] = self.jobs.qsize() + len(self.pending) + (
+                len(self.procs) - len(self.idle) if self.procs else 0)
+            values.update(process_memory())
             self._reply(ident, StatsReply(values=values), rid)
         elif isinstance(msg, Shutdown):
             self._reply(ident, Ack(), rid)
@@ -231,23 +342,19 @@ class SamplerServer:
         """One sampling thread. Errors inside a request become error replies; anything that
         breaks the thread itself stops the whole server (exit code 1), so that clients see
         a dropped connection and fail over instead of waiting on a server that cannot work."""
-        push = peers = None
-        shm = ShmWriter()
+        push = worker = None
         try:
             push = make_socket(self.ctx, zmq.PUSH, self.results_ep, bind=False, hwm=0)
-            peers = (WirePeers(self.ctx, self.cluster, self.cfg.part_id,
-                               self.cfg.peer_timeout_s, self.max_bytes, curve=self.peer_keys,
-                               heartbeat=(self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s))
-                     if self.cluster else None)
-            scratch = torch.full((self.store.meta.num_nodes,), -1, dtype=torch.int64)
+            worker = SampleWorker(self.cfg, self.store, self.hot_rank, self.ctx, self.cluster,
+                                  self.peer_keys)
             while not self.stop_event.is_set():
-                shm.expire()
+                worker.shm.expire()
                 try:
                     ident, msg, rid, t_in = self.jobs.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                frames = self._serve_sample(msg, rid, peers, scratch, t_in,
-                                            time.perf_counter() - t_in, shm)
+                frames, delta = worker.serve(msg, rid, t_in)
+                self._add_stats(delta)
                 push.send_multipart([ident, *frames], copy=False)
         except Exception as e:
             log.exception("part %d: sampler thread %d failed; stopping the server",
@@ -255,107 +362,13 @@ class SamplerServer:
             self.fatal = f"sampler thread {index} failed: {type(e).__name__}: {e}"
             self.stop_event.set()
         finally:
-            shm.close()
-            if peers:
-                peers.close()
+            if worker is not None:
+                worker.close()
             if push is not None:
                 push.close(0)
 
-    def _shm_slot(self, msg: SampleRequest, shm: ShmWriter, rows: int, dtype: torch.dtype
-                  ) -> tuple[torch.Tensor | None, int, str]:
-        """(the request's ring slot as a rows x dim tensor or None, rows written there or -1,
-        why the slot could not be used or "")."""
-        if not msg.with_feat or msg.shm_fd < 0:
-            return None, -1, ""
-        ref = SlotRef(msg.shm_pid, msg.shm_fd, msg.shm_token, msg.shm_offset, msg.shm_capacity)
-        try:
-            slot = shm.target(ref, rows, self.store.feat.shape[1], dtype)
-        except ShmError as e:
-            return None, -1, str(e)
-        return slot, (rows if slot is not None else -1), ""
-
-    def _serve_sample(self, msg: SampleRequest, rid: int, peers: WirePeers | None,
-                      scratch: torch.Tensor, t_in: float, queue_s: float,
-                      shm: ShmWriter) -> list:
-        timings = Timings()
-        peer_bytes0 = peers.bytes_received if peers else 0
-        try:
-            neighbors = DistributedNeighbors(self.store, peers, timings, scratch)
-            mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
-            present = torch.empty(0, dtype=torch.bool)
-            send = mfg.input_nodes
-            if msg.cache_ratio > 0 and msg.with_feat:
-                present = ~self._cached(mfg.input_nodes, msg.cache_ratio)
-                send = mfg.input_nodes[present]  # the trainer holds the others' features
-            want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
-            slot, shm_rows, shm_error = self._shm_slot(msg, shm, send.numel(), want)
-            if slot is not None:  # gather straight into the trainer's ring slot
-                neighbors.gather(send, True, False, out=slot)
-                del slot  # release the mapping's buffer export
-                feat = torch.empty((0, self.store.feat.shape[1]), dtype=want)
-            else:
-                feat, _ = neighbors.gather(send, msg.with_feat, False)
-            _, label = neighbors.gather(msg.seeds, False, msg.with_label)
-            t0 = time.perf_counter()
-            if msg.with_feat and feat.dtype != want:
-                feat = feat.to(want)  # counted as encode time
-            reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
-                             num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
-                             feat=feat, label=label, feat_present=present, timings={},
-                             feat_shm_rows=shm_rows, shm_error=shm_error)
-            reply.timings = {"sample_s": timings.sample_s, "gather_s": timings.gather_s,
-                             "remote_s": timings.remote_s,
-                             "remote_requests": float(timings.remote_requests),
-                             "remote_bytes": float((peers.bytes_received if peers else 0)
-                                                   - peer_bytes0),
-                             "cached_rows": float(mfg.input_nodes.numel() - send.numel()),
-                             "queue_s": queue_s, "shm_rows": float(max(shm_rows, 0))}
-            frames = codec.encode(reply, rid)
-            encode_s = time.perf_counter() - t0
-            # Encoded again with the totals (cheap: tensors are not copied); the first
-            # encode is the timed one.
-            reply.timings["encode_s"] = encode_s
-            reply.timings["server_s"] = time.perf_counter() - t_in
-            frames = codec.encode(reply, rid)
-            with self.stats_lock:
-                s = self.stats
-                s["sample_requests"] += 1
-                s["seeds_served"] += msg.seeds.numel()
-                s["sample_s"] += timings.sample_s
-                s["gather_s"] += timings.gather_s
-                s["remote_s"] += timings.remote_s
-                s["remote_requests"] += timings.remote_requests
-                s["remote_bytes"] += reply.timings["remote_bytes"]
-                s["encode_s"] += encode_s
-                s["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
-            return frames
-        except ProtocolError as e:
-            code, text = e.code, str(e)
-        except PeerTimeoutError as e:
-            code, text = "peer_timeout", str(e)
-        except RemoteError as e:
-            code, text = "peer_error", str(e)
-        except Exception as e:
-            log.exception("part %d: sampling failed", self.cfg.part_id)
-            code, text = "internal", f"{type(e).__name__}: {e}"
-        with self.stats_lock:
-            self.stats["errors"] += 1
-        return codec.encode(ErrorReply(code=code, message=text), rid)
-
-    def _hot_rank(self):
-        if self.hot_rank is None:
-            raise ProtocolError("no_hot_rank", f"partition set {self.cfg.parts} has no "
-                                f"{HOT_RANK_FILE}: re-run partition-ogbn with "
-                                "--presample-batches > 0, or use --cache-ratio 0")
-        return self.hot_rank
-
-    def _cached(self, gids: torch.Tensor, ratio: float) -> torch.Tensor:
-        """Which of ``gids`` a trainer with cache ratio ``ratio`` holds (partition.layout)."""
-        mask = cached_mask(self._hot_rank(), gids.numpy(), self.store.meta.node_offsets, ratio)
-        return torch.from_numpy(mask)
-
     def _cache_fill(self, msg: CacheFillRequest) -> CacheFillReply:
-        rank = self._hot_rank()
+        rank = hot_rank_or_error(self.hot_rank, self.cfg.parts)
         st = self.store
         limit = int(msg.cache_ratio * (st.end - st.start))
         local = np.nonzero(np.asarray(rank[st.start:st.end]) < limit)[0]
@@ -372,9 +385,32 @@ class SamplerServer:
         for w in self.workers:
             if w.is_alive() and w is not threading.current_thread():
                 w.join(timeout=self.cfg.peer_timeout_s + 1)
+        self._stop_procs()
         self.frontend.close(0)
         self.results.close(0)
+        if self.backend is not None:
+            self.backend.close(0)
+        if self.proc_dir:
+            shutil.rmtree(self.proc_dir, ignore_errors=True)
         if self.authenticator is not None:
             self.authenticator.stop()
         if not any(w.is_alive() for w in self.workers):
             self.ctx.term()  # else a thread still holds a socket; process exit reclaims it
+
+    def _stop_procs(self) -> None:
+        """Tell every sampler process to stop; kill those that do not within the deadline."""
+        if not self.procs:
+            return
+        assert self.backend is not None
+        for wid in set(self.idle):
+            self.backend.send_multipart([wid, b"STOP"])
+        # Busy ones finish their job first; their STOP goes when they report back.
+        deadline = time.monotonic() + self.cfg.peer_timeout_s + 2
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            if self.backend.poll(100):
+                frames = self.backend.recv_multipart()
+                self.backend.send_multipart([frames[0], b"STOP"])
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -1,0 +1,153 @@
+"""Serving one SampleRequest: the work a sampler thread or a sampler process does.
+
+A :class:`SampleWorker` owns what must not be shared between threads or processes: its
+sockets to peer servers, its relabel scratch buffer and its map of trainers' shared-memory
+rings. The partition itself (:class:`PartitionStore`) is read-only and memory-mapped, so
+threads share one object and processes share the page cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from common import codec
+from common.cluster import ClusterSpec
+from common.config import ServerConfig
+from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, RemoteError
+from common.messages import FEAT_TRANSFER_DTYPES, ErrorReply, MFGReply, SampleRequest
+from common.shm_ring import ShmError, ShmWriter, SlotRef
+from common.sockets import CurveKeys
+from partition.layout import HOT_RANK_FILE, cached_mask
+from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
+from sampler_server.partition_store import PartitionStore
+from sampler_server.peer_client import WirePeers
+
+log = logging.getLogger("mfgserve.server")
+
+STAT_KEYS = ("sample_requests", "seeds_served", "sample_s", "gather_s", "remote_s",
+             "remote_requests", "remote_bytes", "encode_s", "bytes_out", "errors")
+
+
+def peer_keys(cfg: ServerConfig, cluster: ClusterSpec | None) -> CurveKeys | None:
+    """Towards its peers a server is a client with its own key pair (CurveZMQ), or None."""
+    if not cfg.curve_secret_key or cluster is None:
+        return None
+    if not cluster.curve_server_key:
+        raise MfgServeError(f"cluster file {cfg.cluster} has no curve_server_key, but this "
+                            "server uses CurveZMQ; add it")
+    own = CurveKeys.load(cfg.curve_secret_key)
+    return CurveKeys(own.public, own.secret,
+                     CurveKeys.load(cfg.curve_secret_key, cluster.curve_server_key).server_public)
+
+
+def hot_rank_or_error(hot_rank, parts: str):
+    if hot_rank is None:
+        raise ProtocolError("no_hot_rank", f"partition set {parts} has no {HOT_RANK_FILE}: "
+                            "re-run partition-ogbn with --presample-batches > 0, or use "
+                            "--cache-ratio 0")
+    return hot_rank
+
+
+class SampleWorker:
+    def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank,
+                 ctx: zmq.Context, cluster: ClusterSpec | None, keys: CurveKeys | None):
+        self.cfg = cfg
+        self.store = store
+        self.hot_rank = hot_rank
+        self.peers = (WirePeers(ctx, cluster, cfg.part_id, cfg.peer_timeout_s,
+                                cfg.max_message_mb << 20, curve=keys,
+                                heartbeat=(cfg.heartbeat_s, cfg.heartbeat_timeout_s))
+                      if cluster else None)
+        self.scratch = torch.full((store.meta.num_nodes,), -1, dtype=torch.int64)
+        self.shm = ShmWriter()
+
+    def close(self) -> None:
+        self.shm.close()
+        if self.peers:
+            self.peers.close()
+
+    def _cached(self, gids: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Which of ``gids`` a trainer with cache ratio ``ratio`` holds (partition.layout)."""
+        rank = hot_rank_or_error(self.hot_rank, self.cfg.parts)
+        mask = cached_mask(rank, gids.numpy(), self.store.meta.node_offsets, ratio)
+        return torch.from_numpy(np.asarray(mask))
+
+    def _shm_slot(self, msg: SampleRequest, rows: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor | None, int, str]:
+        """(the request's ring slot as a rows x dim tensor or None, rows written there or -1,
+        why the slot could not be used or "")."""
+        if not msg.with_feat or msg.shm_fd < 0:
+            return None, -1, ""
+        ref = SlotRef(msg.shm_pid, msg.shm_fd, msg.shm_token, msg.shm_offset, msg.shm_capacity)
+        try:
+            slot = self.shm.target(ref, rows, self.store.feat.shape[1], dtype)
+        except ShmError as e:
+            return None, -1, str(e)
+        return slot, (rows if slot is not None else -1), ""
+
+    def serve(self, msg: SampleRequest, rid: int, t_in: float) -> tuple[list, dict[str, float]]:
+        """(reply frames, stats to add). Errors become an ErrorReply; never raises for a
+        request's own failure."""
+        queue_s = time.perf_counter() - t_in
+        timings = Timings()
+        peers = self.peers
+        peer_bytes0 = peers.bytes_received if peers else 0
+        try:
+            neighbors = DistributedNeighbors(self.store, peers, timings, self.scratch)
+            mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
+            present = torch.empty(0, dtype=torch.bool)
+            send = mfg.input_nodes
+            if msg.cache_ratio > 0 and msg.with_feat:
+                present = ~self._cached(mfg.input_nodes, msg.cache_ratio)
+                send = mfg.input_nodes[present]  # the trainer holds the others' features
+            want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
+            slot, shm_rows, shm_error = self._shm_slot(msg, send.numel(), want)
+            if slot is not None:  # gather straight into the trainer's ring slot
+                neighbors.gather(send, True, False, out=slot)
+                del slot  # release the mapping's buffer export
+                feat = torch.empty((0, self.store.feat.shape[1]), dtype=want)
+            else:
+                feat, _ = neighbors.gather(send, msg.with_feat, False)
+            _, label = neighbors.gather(msg.seeds, False, msg.with_label)
+            t0 = time.perf_counter()
+            if msg.with_feat and feat.dtype != want:
+                feat = feat.to(want)  # counted as encode time
+            remote_bytes = float((peers.bytes_received if peers else 0) - peer_bytes0)
+            reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
+                             num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
+                             feat=feat, label=label, feat_present=present,
+                             feat_shm_rows=shm_rows, shm_error=shm_error, timings={
+                                 "sample_s": timings.sample_s, "gather_s": timings.gather_s,
+                                 "remote_s": timings.remote_s,
+                                 "remote_requests": float(timings.remote_requests),
+                                 "remote_bytes": remote_bytes,
+                                 "cached_rows": float(mfg.input_nodes.numel() - send.numel()),
+                                 "queue_s": queue_s, "shm_rows": float(max(shm_rows, 0))})
+            frames = codec.encode(reply, rid)
+            encode_s = time.perf_counter() - t0
+            # Encoded again with the totals (cheap: tensors are not copied); the first
+            # encode is the timed one.
+            reply.timings["encode_s"] = encode_s
+            reply.timings["server_s"] = time.perf_counter() - t_in
+            frames = codec.encode(reply, rid)
+            return frames, {
+                "sample_requests": 1, "seeds_served": msg.seeds.numel(),
+                "sample_s": timings.sample_s, "gather_s": timings.gather_s,
+                "remote_s": timings.remote_s, "remote_requests": timings.remote_requests,
+                "remote_bytes": remote_bytes, "encode_s": encode_s,
+                "bytes_out": sum(memoryview(f).nbytes for f in frames)}
+        except ProtocolError as e:
+            code, text = e.code, str(e)
+        except PeerTimeoutError as e:
+            code, text = "peer_timeout", str(e)
+        except RemoteError as e:
+            code, text = "peer_error", str(e)
+        except Exception as e:
+            log.exception("part %d: sampling failed", self.cfg.part_id)
+            code, text = "internal", f"{type(e).__name__}: {e}"
+        return codec.encode(ErrorReply(code=code, message=text), rid), {"errors": 1}
