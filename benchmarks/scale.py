@@ -18,10 +18,12 @@ alone, and the big arrays are freed when it exits):
 * ``server``: one real mfgserve sampler server alone,
   :func:`benchmarks.server_only.measure_server` (``--inflight`` requests kept in flight by
   the measuring process). Its ``peak_rss_bytes`` is the server process's own peak RSS
-  (``getrusage(RUSAGE_CHILDREN)`` of the measuring process, whose only child is the server);
-  ``sampled_peak_rss_*`` are the peaks of the server's RSS polled every 0.2 s, split into
-  anonymous memory and file-backed pages (the memory-mapped partition arrays, shared with the
-  page cache).
+  (``getrusage(RUSAGE_CHILDREN)`` of the measuring process, whose only child is the server;
+  if the server starts processes of its own, the peak of the largest single process);
+  ``sampled_peak_rss_*`` are the peaks of the server's RSS polled every 0.2 s (summed over
+  the server and any processes it starts, ``sampled_server_processes``), split into anonymous
+  memory and file-backed pages (the memory-mapped partition arrays, shared with the page
+  cache).
 * ``dgl`` (unless ``--skip-dgl``): DGL's DataLoader + NeighborSampler sample + gather with
   ``num_workers=0``, :func:`benchmarks.dgl_pipeline.sample_only_dgl`, on the whole graph
   loaded in memory (:func:`benchmarks.dgl_pipeline.load_full_graph`). ``peak_rss_bytes`` is
@@ -184,7 +186,7 @@ class ChildRssPoller:
 
     def __init__(self, interval_s: float = 0.2):
         self.interval_s = interval_s
-        self.peak = {"rss": 0, "anon": 0, "file": 0}
+        self.peak = {"rss": 0, "anon": 0, "file": 0, "processes": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rss-poller")
 
@@ -196,6 +198,7 @@ class ChildRssPoller:
             except psutil.Error:
                 continue
             rss = anon = file = 0
+            self.peak["processes"] = max(self.peak["processes"], len(kids))
             for k in kids:
                 try:
                     mi = k.memory_info()
@@ -294,6 +297,7 @@ def step_server(args: argparse.Namespace, parts: Path) -> dict:
     res["sampled_peak_rss_bytes"] = poll.peak["rss"]
     res["sampled_peak_rss_anon_bytes"] = poll.peak["anon"]
     res["sampled_peak_rss_file_bytes"] = poll.peak["file"]
+    res["sampled_server_processes"] = poll.peak["processes"]
     res["batch_ms"] = round(1000.0 / res["batches_per_s"], 2) if res.get("batches_per_s") \
         else None
     return res
@@ -343,28 +347,55 @@ def _step_argv(args: argparse.Namespace, step: str, n: int) -> list[str]:
             "--server-workers", str(args.server_workers), "--seed", str(args.seed)]
 
 
+def _stderr_tail(text: str, lines: int = 8) -> str:
+    """The last full lines of a child's stderr, progress-bar updates dropped."""
+    kept = [ln.rsplit("\r", 1)[-1] for ln in text.splitlines() if ln.strip()]
+    return "\n".join(kept[-lines:])
+
+
 def run_step(args: argparse.Namespace, step: str, n: int) -> dict:
-    """Run one step in a subprocess (stderr passed through); its last stdout line is JSON."""
+    """Run one step in a subprocess, its stderr echoed to ours; its last stdout line is JSON."""
     argv = _step_argv(args, step, n)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
-                            text=True, cwd=REPO)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, cwd=REPO)
+    tail, out = bytearray(), bytearray()
+
+    def pump(src, keep: bytearray, echo: bool) -> None:
+        # stderr: echoed as it comes (progress), its end kept for errors; stdout: kept whole
+        while chunk := os.read(src.fileno(), 65536):
+            if echo:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+                keep.extend(chunk)
+                del keep[:-16384]
+            else:
+                keep.extend(chunk)
+
+    readers = [threading.Thread(target=pump, args=(proc.stderr, tail, True), daemon=True),
+               threading.Thread(target=pump, args=(proc.stdout, out, False), daemon=True)]
+    for t in readers:
+        t.start()
     try:
-        out, _ = proc.communicate(timeout=args.step_timeout_s)
+        proc.wait(timeout=args.step_timeout_s)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # a server child dies with it (PDEATHSIG)
         try:
-            proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
+            proc.wait()
         raise RuntimeError(f"step {step} ({n} nodes) did not finish within "
                            f"{args.step_timeout_s:.0f}s (raise --step-timeout-s)") from None
-    lines = [ln for ln in out.splitlines() if ln.strip()]
+    finally:
+        for t in readers:
+            t.join(timeout=10)
+    out_b = bytes(out)
+    lines = [ln for ln in out_b.decode(errors="replace").splitlines() if ln.strip()]
     if proc.returncode != 0:
-        raise RuntimeError(f"step {step} ({n} nodes) exited with code {proc.returncode} (its "
-                           f"stderr is above); last stdout line: "
-                           f"{lines[-1] if lines else '<none>'}")
+        raise RuntimeError(f"step {step} ({n} nodes) exited with code {proc.returncode}; "
+                           f"last stdout line: {lines[-1] if lines else '<none>'}; stderr "
+                           f"ends:\n{_stderr_tail(tail.decode(errors='replace'))}")
     try:
         res = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError) as e:
