@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-trainers", type=int, default=1, help="worker-mode trainers (1)")
     p.add_argument("--server-workers", type=int, default=2,
                    help="sampling threads per mfgserve server (default 2)")
+    p.add_argument("--sampler-procs", type=_int_list, default=[0, 2],
+                   help="server-alone: measure once per value of sampler-server "
+                        "--sampler-procs (0: --server-workers threads; default 0,2)")
+    p.add_argument("--worker-sampler-procs", type=int, default=0,
+                   help="worker-mode servers' --sampler-procs (default 0: threads)")
+    p.add_argument("--shm-ring", action=argparse.BooleanOptionalAction, default=True,
+                   help="server-alone client and worker-mode trainers offer servers "
+                        "shared-memory ring slots for the features (default: on)")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests in flight: server-alone client and worker-mode trainers (4)")
     p.add_argument("--cache-ratio", type=float, default=0.0,
@@ -213,7 +221,9 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
             "--fanouts", ",".join(map(str, args.fanouts)), "--batch-size", str(args.batch_size),
             "--hidden", str(args.hidden), "--seed", str(args.seed),
             "--max-inflight", str(args.inflight), "--server-num-workers",
-            str(args.server_workers), "--no-progress"]
+            str(args.server_workers), "--server-sampler-procs",
+            str(args.worker_sampler_procs), "--no-progress",
+            "--shm-ring" if args.shm_ring else "--no-shm-ring"]
     if args.cache_ratio:
         argv += ["--cache-ratio", str(args.cache_ratio)]
     if args.feat_transfer:
@@ -244,7 +254,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
         raise RuntimeError(f"worker-mode printed no JSON summary as its last line: {e}") from e
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
             "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
-            "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache")
+            "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \
         summary.get("num_trainers", 1)
@@ -278,9 +288,10 @@ def compute_ratios(results: dict) -> dict:
         if k.startswith("dgl_train") and v.get("seeds_per_s"):
             ratios[f"train_seeds_per_s_vs_{k}"] = _ratio(wm, v["seeds_per_s"])
     dgl_sample_key, dgl_sample = _best(results, "dgl_sample", "batches_per_s")
-    srv = results.get("server_only", {}).get("batches_per_s")
+    srv_key, srv = _best(results, "server_only", "batches_per_s")
     ratios["sample_batches_per_s"] = _ratio(srv, dgl_sample)
     ratios["sample_baseline"] = dgl_sample_key
+    ratios["sample_mfgserve_config"] = srv_key
     for k, v in results.items():
         if k.startswith("dgl_sample") and v.get("batches_per_s"):
             ratios[f"sample_batches_per_s_vs_{k}"] = _ratio(srv, v["batches_per_s"])
@@ -352,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
               "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
               "num_trainers": args.num_trainers, "server_workers": args.server_workers,
               "inflight": args.inflight, "seed": args.seed, "skip": args.skip,
-              "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer}
+              "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer,
+              "sampler_procs": args.sampler_procs,
+              "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring}
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
 
@@ -390,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     if "server" not in args.skip:
         from benchmarks.server_only import measure_server
 
-        step("server_only", lambda: measure_server(
-            parts, args.fanouts, args.batch_size, sample_batches, inflight=args.inflight,
-            server_workers=args.server_workers, seed=args.seed))
+        for n in args.sampler_procs:
+            step("server_only" + (f"_procs{n}" if n else ""), lambda n=n: measure_server(
+                parts, args.fanouts, args.batch_size, sample_batches, inflight=args.inflight,
+                server_workers=args.server_workers, seed=args.seed, shm_ring=args.shm_ring,
+                sampler_procs=n))
     if "worker" not in args.skip:
         step("worker_mode", lambda: run_worker_mode(parts, args))
     if "wire" not in args.skip:

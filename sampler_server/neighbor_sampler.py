@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,13 +41,15 @@ class Timings:
     extra: dict = field(default_factory=dict)
 
 
-def relabel(dst: Tensor, src: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def relabel(dst: Tensor, src: Tensor, scratch: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
     """Compact ids: returns ``(nodes, src_local)`` where ``nodes`` lists ``dst`` first (in
     order, assumed unique) followed by the other ids of ``src`` (sorted, each once), and
     ``src_local[i]`` is the position of ``src[i]`` in ``nodes``.
 
-    ``scratch`` (int64, one slot per global node, all -1) makes this O(len) with no hashing
-    or full sort; it is returned all -1 again. Without it, a sort-based version is used.
+    ``scratch`` (:func:`new_scratch`: int32, one slot per global node, all -1) makes this O(len)
+    with no hashing or full sort; it is returned all -1 again. Without it, a sort-based version
+    is used. The scratch version runs in numpy: its fancy indexing is several times faster than
+    torch's for these scattered reads and writes, and int32 halves the memory they touch.
     """
     if scratch is None:
         new = torch.unique(src[~torch.isin(src, dst)])
@@ -55,24 +58,32 @@ def relabel(dst: Tensor, src: Tensor, scratch: Tensor | None = None) -> tuple[Te
         pos = torch.empty_like(inv)
         pos[inv] = torch.arange(nodes.numel())
         return nodes, pos[torch.searchsorted(uniq, src)]
-    nd = dst.numel()
-    scratch[dst] = torch.arange(nd)
-    cand = src[scratch[src] < 0]
+    d, s = dst.numpy(), src.numpy()
+    nd = d.size
+    scratch[d] = np.arange(nd, dtype=np.int32)
+    cand = s[scratch[s] < 0]
     # Any one write per repeated id wins; exactly one position per distinct id then reads
     # back its own index, which picks each distinct new id once.
-    slots = torch.arange(cand.numel())
+    slots = np.arange(cand.size, dtype=np.int32)
     scratch[cand] = slots
-    new = torch.sort(cand[scratch[cand] == slots]).values  # sorted: gathers read memory in order
-    scratch[new] = torch.arange(nd, nd + new.numel())
-    src_local = scratch[src]
-    nodes = torch.cat([dst, new])
-    scratch[nodes] = -1
-    return nodes, src_local
+    new = np.sort(cand[scratch[cand] == slots])  # sorted: gathers read memory in order
+    scratch[new] = np.arange(nd, nd + new.size, dtype=np.int32)
+    src_local = scratch[s].astype(np.int64)
+    scratch[d] = -1
+    scratch[new] = -1
+    return torch.cat([dst, torch.from_numpy(new)]), torch.from_numpy(src_local)
+
+
+def new_scratch(num_nodes: int) -> np.ndarray:
+    """A relabel buffer for a graph of ``num_nodes`` nodes (one per sampling thread)."""
+    if num_nodes >= 2**31:
+        raise ValueError("relabel's int32 scratch needs fewer than 2**31 nodes")
+    return np.full(num_nodes, -1, dtype=np.int32)
 
 
 class DistributedNeighbors:
     def __init__(self, store: PartitionStore, peers: Peers | None, timings: Timings,
-                 scratch: Tensor | None = None):
+                 scratch: np.ndarray | None = None):
         self.store = store
         self.peers = peers
         self.timings = timings
@@ -81,6 +92,8 @@ class DistributedNeighbors:
     def _split(self, nodes: Tensor) -> dict[int, Tensor]:
         """Positions of ``nodes`` grouped by the part that answers for them: this store for
         owned and halo nodes, else the owner."""
+        if self.store.all_owned(nodes):
+            return {self.store.part_id: torch.arange(nodes.numel())}
         owners = self.store.owner_of(nodes)
         if self.store.has_halo:
             owners[self.store.is_local(nodes)] = self.store.part_id
@@ -109,7 +122,8 @@ class DistributedNeighbors:
         own = groups.get(self.store.part_id)
         if own is not None:
             t0 = time.perf_counter()
-            results[self.store.part_id] = self.store.sample_neighbors(nodes[own], fanout)
+            results[self.store.part_id] = self.store.sample_neighbors(
+                nodes if len(groups) == 1 else nodes.index_select(0, own), fanout)
             self.timings.sample_s += time.perf_counter() - t0
         if len(groups) == 1:
             return results[next(iter(groups))]
@@ -133,7 +147,8 @@ class DistributedNeighbors:
         single = len(groups) == 1
         if own is not None:
             results[self.store.part_id] = self.store.gather(
-                nodes[own], with_feat, with_label, out if single else None)
+                nodes if single else nodes.index_select(0, own), with_feat, with_label,
+                out if single else None)
         if single:
             res = results[next(iter(groups))]
             if out is not None and with_feat and res[0] is not out:

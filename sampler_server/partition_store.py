@@ -74,6 +74,11 @@ class PartitionStore:
         self._indptr[id(graph)] = _as_tensor(indptr)
         return graph
 
+    def all_owned(self, gids: Tensor) -> bool:
+        """Whether every one of ``gids`` (non-empty) is owned here, with no halo to consult."""
+        return (not self.has_halo and gids.numel() > 0 and int(gids.min()) >= self.start
+                and int(gids.max()) < self.end)
+
     def owner_of(self, gids: Tensor) -> Tensor:
         return torch.searchsorted(self.node_offsets, gids, right=True) - 1
 
@@ -128,7 +133,7 @@ class PartitionStore:
 
     def _expected_counts(self, graph, local: Tensor, fanout: int) -> Tensor:
         indptr = self._indptr[id(graph)]
-        deg = indptr[local + 1] - indptr[local]
+        deg = indptr.index_select(0, local + 1) - indptr.index_select(0, local)
         return deg if fanout == -1 else deg.clamp(max=fanout)
 
     def sample_neighbors(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
@@ -138,6 +143,8 @@ class PartitionStore:
         Returns ``(counts, src)``: ``counts[i]`` = min(in-degree, fanout) and the sampled
         sources (global ids) of ``nodes[i]`` concatenated in the order of ``nodes``.
         """
+        if self.all_owned(nodes):
+            return self._sample(self.graph, nodes - self.start, fanout)
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         if halo_pos.numel() == 0:
             return self._sample(self.graph, own_local, fanout)
@@ -154,8 +161,7 @@ class PartitionStore:
             feat, label = self.gather(nodes, with_feat, with_label)
             out.copy_(feat)  # the conversion (fp16/bf16 transfer) is this one copy
             return out, label
-        if not self.has_halo and nodes.numel() and (
-                int(nodes.min()) >= self.start and int(nodes.max()) < self.end):
+        if self.all_owned(nodes):
             local = nodes - self.start  # fast path: all owned
             if not with_feat:
                 feat = self.feat.new_empty((0, self.feat.shape[1]))

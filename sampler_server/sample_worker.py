@@ -23,7 +23,7 @@ from common.messages import FEAT_TRANSFER_DTYPES, ErrorReply, MFGReply, SampleRe
 from common.shm_ring import ShmError, ShmWriter, SlotRef
 from common.sockets import CurveKeys
 from partition.layout import HOT_RANK_FILE, cached_mask
-from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, sample_mfg
+from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, new_scratch, sample_mfg
 from sampler_server.partition_store import PartitionStore
 from sampler_server.peer_client import WirePeers
 
@@ -63,7 +63,7 @@ class SampleWorker:
                                 cfg.max_message_mb << 20, curve=keys,
                                 heartbeat=(cfg.heartbeat_s, cfg.heartbeat_timeout_s))
                       if cluster else None)
-        self.scratch = torch.full((store.meta.num_nodes,), -1, dtype=torch.int64)
+        self.scratch = new_scratch(store.meta.num_nodes)
         self.shm = ShmWriter()
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sampler_server.neighbor_sampler import relabel
+from sampler_server.neighbor_sampler import new_scratch, relabel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ def test_relabel_invariants(data):
                        dtype=torch.int64)
     src = torch.tensor(data.draw(st.lists(st.integers(0, n - 1), max_size=80)),
                        dtype=torch.int64)
-    scratch = torch.full((n,), -1, dtype=torch.int64)
+    scratch = new_scratch(n)
     nodes, local = relabel(dst, src, scratch)
     assert torch.equal(nodes[: dst.numel()], dst)
     assert torch.unique(nodes).numel() == nodes.numel()
