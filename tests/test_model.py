@@ -76,3 +76,30 @@ def test_graphsage_shapes():
     model = GraphSAGE(8, 16, 3, num_layers=2, dropout=0.5)
     out = model([b0, b1], torch.randn(40, 8))
     assert out.shape == (4, 3)
+
+
+def test_cpu_dropout_drops_with_probability_p_and_scales():
+    """The fast CPU dropout: P(drop) = p (within sampling error), kept values scaled by
+    1/(1-p), the same mask in backward, identity in eval mode."""
+    from trainer_client.model import Dropout
+
+    torch.manual_seed(0)
+    x = torch.randn(400, 500, requires_grad=True)
+    for p in (0.1, 0.5, 0.8):
+        drop = Dropout(p)
+        y = drop(x)
+        dropped = y == 0
+        frac = dropped.float().mean().item()
+        assert abs(frac - p) < 0.01, (p, frac)
+        torch.testing.assert_close(y[~dropped], x[~dropped] / (1 - p), rtol=1e-3, atol=1e-6)
+        (g,) = torch.autograd.grad(y.sum(), x)
+        torch.testing.assert_close(g, (~dropped).float() / (1 - p), rtol=1e-3, atol=1e-6)
+        drop.eval()
+        assert torch.equal(drop(x), x)
+    # masks differ between calls and follow torch's seed
+    d = Dropout(0.5)
+    torch.manual_seed(1)
+    a = d(x)
+    b = d(x)
+    torch.manual_seed(1)
+    assert not torch.equal(a == 0, b == 0) and torch.equal(d(x) == 0, a == 0)

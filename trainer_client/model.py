@@ -68,6 +68,43 @@ class SAGEConv(nn.Module):
         return self.fc_self(h_dst) + h_neigh
 
 
+_BITS = 15  # random bits per element of a CPU dropout mask
+
+
+class _CpuDropout(torch.autograd.Function):
+    """Dropout whose mask comes from bulk random bits: ``torch.bernoulli_`` draws one
+    Mersenne-Twister number per element and takes ~0.26 s for a 50,000 x 256 activation on 2
+    cores; 64-bit draws cut into 15-bit uniforms take ~0.03 s. The drop probability is rounded
+    to a multiple of 2**-15 (exact for 0.5) and kept rows are scaled by 1 / (1 - that)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        n = x.numel()
+        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
+        r = words.view(torch.int16)[:n].view(x.shape) & ((1 << _BITS) - 1)
+        cut = round(p * (1 << _BITS))
+        drop = r < cut
+        scale = (1 << _BITS) / ((1 << _BITS) - cut)
+        ctx.save_for_backward(drop)
+        ctx.scale = scale
+        return x.masked_fill(drop, 0.0).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (drop,) = ctx.saved_tensors
+        return grad.masked_fill(drop, 0.0).mul_(ctx.scale), None
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` with a faster mask on CPU (see :class:`_CpuDropout`); CUDA and eval
+    mode behave exactly like ``nn.Dropout``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0 or x.device.type != "cpu" or self.p >= 1:
+            return super().forward(x)
+        return _CpuDropout.apply(x, self.p)
+
+
 class GraphSAGE(nn.Module):
     """Layers of mean-SAGEConv with ReLU and dropout between them (the seed tutorial's model)."""
 
@@ -76,7 +113,7 @@ class GraphSAGE(nn.Module):
         super().__init__()
         dims = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
         self.layers = nn.ModuleList(SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, blocks, x: Tensor) -> Tensor:
         h = x
