@@ -73,6 +73,14 @@ def shard_batches(seeds: Tensor, batch_size: int, rank: int, world_size: int, *,
     return list(torch.tensor_split(shard, num_batches))
 
 
+def mfg_tensors(mfg: MFG) -> list[Tensor]:
+    """Every tensor an MFG holds (ids, per-block CSC, src/dst data)."""
+    out = [mfg.input_nodes, mfg.output_nodes]
+    for b in mfg.blocks:
+        out += [b.indptr, b.indices, *b.srcdata.values(), *b.dstdata.values()]
+    return out
+
+
 class DistNodeDataLoader:
     def __init__(self, pool: ServerPool, seeds: Tensor, node_offsets: list[int], *,
                  fanouts: list[int], batch_size: int, rank: int = 0, world_size: int = 1,
@@ -155,6 +163,9 @@ class DistNodeDataLoader:
         """A slot's last host tensor is gone; with CUDA, free it once the copy is done."""
         event = None
         if self.copy_stream is not None:
+            # Copies out of the slot ran on the copy stream (or, for the cache's assembly, on
+            # the current one): the slot is free once both have passed this point.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self.ring.release(slot, event)  # type: ignore[union-attr]
@@ -193,6 +204,11 @@ class DistNodeDataLoader:
             t0 = time.perf_counter()
             event.synchronize()
             self.stats.h2d_wait_s += time.perf_counter() - t0
+            # Made on the copy stream, used on the current one: tell the caching allocator,
+            # so that their memory is not handed to the next copy while compute reads it.
+            current = torch.cuda.current_stream(self.device)
+            for t in mfg_tensors(mfg):
+                t.record_stream(current)
         return mfg
 
     def __iter__(self):
