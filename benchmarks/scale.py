@@ -127,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
-    p.add_argument("--batches", type=int, default=30,
+    p.add_argument("--batches", type=int, default=100,
                    help="timed batches per measurement, after 2 untimed warm-up batches "
-                        "(default 30)")
+                        "(default 100: 30 gave run-to-run swings of 1.5x on 2 cores)")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests the server measurement keeps in flight (default 4)")
     p.add_argument("--server-workers", type=int, default=2,
@@ -425,6 +425,13 @@ def compute_ratios(scales: list[dict]) -> dict:
                  if isinstance(s.get(sys_name), dict) and s[sys_name].get("batch_ms")]
         r[f"{sys_name}_batch_time_max_over_min"] = (_ratio(max(times), min(times))
                                                     if len(times) > 1 else None)
+        # Batches of a larger graph have more distinct input nodes (fewer repeats among the
+        # sampled neighbours): time per input node separates that from slower operations.
+        per_node = [s[sys_name]["batch_ms"] / s[sys_name]["input_nodes_per_batch"]
+                    for s in scales if isinstance(s.get(sys_name), dict)
+                    and s[sys_name].get("batch_ms") and s[sys_name].get("input_nodes_per_batch")]
+        r[f"{sys_name}_time_per_input_node_max_over_min"] = (
+            _ratio(max(per_node), min(per_node)) if len(per_node) > 1 else None)
         mem_lo = (lo.get(sys_name) or {}).get("peak_rss_bytes")
         mem_hi = (hi.get(sys_name) or {}).get("peak_rss_bytes")
         t_lo = (lo.get(sys_name) or {}).get("batch_ms")
