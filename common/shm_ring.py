@@ -16,7 +16,7 @@ How:
   unlinked memfd whose header carries the token, gathers the feature rows into the slot and
   replies ``feat_shm_rows=n`` with an empty ``feat`` frame. A server elsewhere cannot open it
   and replies with the features on the wire plus ``shm_error`` saying why; the trainer then
-  stops offering slots. A reply too large for its slot also goes on the wire.
+  stops offering slots to that server. A reply too large for its slot also goes on the wire.
 * A slot is free again when every tensor viewing it is gone (a finalizer on the array the
   tensors share) and, with CUDA, when the copy out of it has completed (an event). A slot
   whose request was re-sent elsewhere (failover) or abandoned is never reused: the first

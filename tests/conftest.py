@@ -82,9 +82,10 @@ def server_factory(tmp_path):
     started: list[ServerProcess] = []
 
     def start(parts: Path, part_id: int = 0, cluster: Path | None = None,
-              endpoint: str | None = None, extra: list[str] | None = None) -> ServerProcess:
+              endpoint: str | None = None, extra: list[str] | None = None,
+              prefix: list[str] | None = None) -> ServerProcess:
         ep = endpoint or f"ipc://{tmp_path}/s{part_id}-{len(started)}.sock"
-        proc = ServerProcess(parts, part_id, ep, cluster, tmp_path, extra or [])
+        proc = ServerProcess(parts, part_id, ep, cluster, tmp_path, extra or [], prefix)
         started.append(proc)
         proc.wait_ready()
         return proc

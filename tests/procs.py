@@ -60,11 +60,11 @@ def run_cli(module: str, args: list[str], timeout: float, cwd: Path | None = Non
 
 class ServerProcess:
     def __init__(self, parts: Path, part_id: int, endpoint: str, cluster: Path | None,
-                 workdir: Path, extra: list[str]):
+                 workdir: Path, extra: list[str], prefix: list[str] | None = None):
         self.endpoint = endpoint
         self.ready = workdir / f"ready-{part_id}-{id(self)}"
         self.log = workdir / f"server-{part_id}-{id(self)}.log"
-        argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts),
+        argv = [*(prefix or []), sys.executable, "-m", "sampler_server.main", "--parts", str(parts),
                 "--part-id", str(part_id), "--bind", endpoint, "--ready-file", str(self.ready),
                 *extra]
         if cluster is not None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 
+from common.cluster import ClusterSpec
 from common.messages import MFGReply, SampleRequest
 from common.rpc import RpcChannel
 from common.shm_ring import HEADER_BYTES, ShmRing, ShmWriter, SlotRef
@@ -178,4 +179,38 @@ def test_writer_unmaps_idle_rings():
     assert writer.target(ref, 10_000, 3, torch.float32) is None  # does not fit
     writer.expire()
     assert not writer.maps
+    ring.close()
+
+
+def test_ring_off_only_for_the_server_that_cannot_use_it(server_factory, synth_parts1,
+                                                         synth_graph, tmp_path):
+    """Two replicas of a part: one on this host, one in another pid namespace (as a server on
+    another host: it cannot open /proc/<trainer pid>/fd). The second says why and gets no
+    more slots; the first keeps writing into the ring; every batch is correct."""
+    from common.messages import Shutdown
+
+    cluster = ClusterSpec({0: [f"ipc://{tmp_path}/near.sock", f"ipc://{tmp_path}/far.sock"]})
+    server_factory(synth_parts1, 0, endpoint=cluster.partitions[0][0])
+    far = server_factory(synth_parts1, 0, endpoint=cluster.partitions[0][1],
+                         prefix=["unshare", "--pid", "--fork", "--mount-proc",
+                                 "--kill-child=SIGTERM"])
+    oracle = Oracle(synth_graph, synth_parts1)
+    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
+    try:
+        info = pool.info()
+        ring = ShmRing(5, 4 << 20)
+        loader = _loader(pool, info, synth_parts1, ring)
+        n = 0
+        for _, _, mfg in loader:
+            _check_rows(mfg, synth_graph, oracle)
+            n += 1
+        assert loader.no_ring == {cluster.partitions[0][1]}
+        # the near server kept using the ring; after its first refusal the far one got
+        # no slot again, so about half the batches (round robin) arrived in the ring
+        assert n // 2 - 1 <= loader.stats.ring_hits <= n - n // 2 + 1, (n, loader.stats)
+        pool.channels[cluster.partitions[0][1]].call(Shutdown())
+    finally:
+        pool.close()
+    far.proc.wait(timeout=20)
+    far.stop_and_check()  # exit code 0, through unshare
     ring.close()

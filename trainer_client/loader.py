@@ -102,11 +102,16 @@ class DistNodeDataLoader:
         self.cache = cache
         self.cache_ratio = cache_ratio if cache is not None else 0.0
         self.ring = ring
-        self.ring_on = ring is not None  # off once a server says it cannot use the ring
+        self.no_ring: set[str] = set()  # servers that said they cannot use the ring
         self.epoch = 0
         self.stats = LoaderStats()
         self.copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                             else None)
+
+    @property
+    def ring_on(self) -> bool:
+        """Whether every server so far could write into the ring."""
+        return self.ring is not None and not self.no_ring
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -126,16 +131,23 @@ class DistNodeDataLoader:
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
                             cache_ratio=self.cache_ratio)
-        slot = None
-        if self.ring is not None and self.ring_on:
+        offered: list[int] = []
+
+        def offer(endpoint: str, msg: SampleRequest) -> None:
+            """A slot for this request, if its server can use the ring and one is free."""
+            if self.ring is None or endpoint in self.no_ring:
+                return
             slot = self.ring.acquire()
             if slot is None:
                 self.stats.ring_misses += 1
-            else:
-                ref = self.ring.ref(slot)
-                req.shm_pid, req.shm_fd, req.shm_token = ref.pid, ref.fd, ref.token
-                req.shm_offset, req.shm_capacity = ref.offset, ref.capacity
-        return self.pool.submit(self._owner(batch), req), slot
+                return
+            ref = self.ring.ref(slot)
+            msg.shm_pid, msg.shm_fd, msg.shm_token = ref.pid, ref.fd, ref.token
+            msg.shm_offset, msg.shm_capacity = ref.offset, ref.capacity
+            offered.append(slot)
+
+        handle = self.pool.submit(self._owner(batch), req, before_send=offer)
+        return handle, (offered[0] if offered else None)
 
     def _features(self, reply: MFGReply, slot: int | None, handle: Handle) -> Tensor:
         """The reply's feature rows: a view of its ring slot, or its frame off the wire."""
@@ -145,9 +157,11 @@ class DistNodeDataLoader:
             # write into it, so it is never reused.
             ring.poison(slot)  # type: ignore[union-attr]
             slot = None
-        if reply.shm_error and self.ring_on:
-            log.warning("shared-memory replies are off for this trainer: %s", reply.shm_error)
-            self.ring_on = False
+        endpoint = handle.channel.endpoint
+        if reply.shm_error and endpoint not in self.no_ring:
+            log.warning("server %s cannot use this trainer's shared-memory ring; its replies "
+                        "come over the socket: %s", endpoint, reply.shm_error)
+            self.no_ring.add(endpoint)
         if reply.feat_shm_rows < 0:
             if slot is not None:
                 ring.release(slot)  # type: ignore[union-attr]

@@ -119,8 +119,13 @@ class ServerPool:
                 return ch
         return None
 
-    def submit(self, part: int, msg: Message) -> Handle:
+    def submit(self, part: int, msg: Message, before_send=None) -> Handle:
+        """Send ``msg`` to a replica of ``part``; ``before_send(endpoint, msg)`` may adapt it
+        to the replica chosen (e.g. offer a shared-memory slot only to servers that can use
+        it)."""
         ch = self._pick(part) or self.channels[next(self._rr[part])]  # all down: try anyway
+        if before_send is not None:
+            before_send(ch.endpoint, msg)
         handle = Handle(part, msg, ch, ch.send(msg), time.perf_counter())
         self._inflight[(ch.endpoint, handle.rid)] = handle
         return handle

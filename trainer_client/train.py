@@ -261,7 +261,8 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup) -> dict:
             "device": str(device),
             "stages_s": stages,
             "shm_ring": ({"slots": ring.num_slots, "slot_mb": round(ring.slot_bytes / 2**20, 1),
-                          "pinned": ring.pinned, "used": train_loader.ring_on,
+                          "pinned": ring.pinned, "used": st.ring_hits > 0,
+                          "servers_without_ring": sorted(train_loader.no_ring),
                           "replies_in_ring": st.ring_hits, "requests_without_slot":
                           st.ring_misses} if ring is not None else None),
             "final_loss": round(history[-1]["loss"], 4) if history else None,
