@@ -134,6 +134,39 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ inputs
 
 
+def synthetic_data(n: int, args: argparse.Namespace):
+    """A synthetic graph of ``n`` nodes shaped by ``args`` (avg_degree, feat_dim,
+    num_classes, seed) with random train / valid / test splits (train_frac, eval_frac)."""
+    from partition.synthetic import generate
+
+    if not (0 < args.train_frac and 0 <= args.eval_frac
+            and args.train_frac + 2 * args.eval_frac <= 1):
+        raise ValueError("need 0 < --train-frac and train-frac + 2 * eval-frac <= 1")
+    data = generate(n, avg_degree=args.avg_degree, feat_dim=args.feat_dim,
+                    num_classes=args.num_classes, seed=args.seed, progress=True)
+    perm = np.random.default_rng(args.seed + 1).permutation(n)
+    n_train, n_eval = max(1, round(args.train_frac * n)), round(args.eval_frac * n)
+    data.train = np.sort(perm[:n_train]).astype(np.int64)
+    data.valid = np.sort(perm[n_train:n_train + n_eval]).astype(np.int64)
+    data.test = np.sort(perm[n_train + n_eval:n_train + 2 * n_eval]).astype(np.int64)
+    return data
+
+
+def write_one_part(data, out: Path, seed: int) -> None:
+    """Write ``data`` as a 1-part partition set at ``out``, moved into place when complete."""
+    from partition.partitioner import partition_graph
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        partition_graph(data, 1, tmp / "set", seed=seed, progress=True)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp / "set", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def synthetic_parts(args: argparse.Namespace) -> Path:
     """A cached 1-part partition set of the synthetic graph described by ``args``."""
     tag = (f"synthetic-{args.synthetic_nodes}n-d{args.avg_degree:g}-f{args.feat_dim}"
@@ -145,33 +178,11 @@ def synthetic_parts(args: argparse.Namespace) -> Path:
             return out
     except PartitionFormatError:
         pass
-    from partition.partitioner import partition_graph
-    from partition.synthetic import generate
-
     n = args.synthetic_nodes
-    if not (0 < args.train_frac and 0 <= args.eval_frac and args.train_frac + 2 * args.eval_frac
-            <= 1):
-        raise ValueError("need 0 < --train-frac and train-frac + 2 * eval-frac <= 1")
     log(f"generating a synthetic graph: {n} nodes, avg degree {args.avg_degree:g}, "
         f"{args.feat_dim}-dim features, {args.num_classes} classes")
     t0 = time.perf_counter()
-    data = generate(n, avg_degree=args.avg_degree, feat_dim=args.feat_dim,
-                    num_classes=args.num_classes, seed=args.seed, progress=True)
-    perm = np.random.default_rng(args.seed + 1).permutation(n)
-    n_train, n_eval = max(1, round(args.train_frac * n)), round(args.eval_frac * n)
-    data.train = np.sort(perm[:n_train]).astype(np.int64)
-    data.valid = np.sort(perm[n_train:n_train + n_eval]).astype(np.int64)
-    data.test = np.sort(perm[n_train + n_eval:n_train + 2 * n_eval]).astype(np.int64)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        partition_graph(data, 1, tmp / "set", seed=args.seed, progress=True)
-        del data
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp / "set", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_one_part(synthetic_data(n, args), out, args.seed)
     log(f"wrote {out} in {time.perf_counter() - t0:.1f}s")
     return out
 
@@ -264,6 +275,20 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
     res["exit_code"] = proc.returncode
     res["subprocess_wall_s"] = round(wall, 3)
     return res
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+
+
+def emit_summary(summary: dict, out: str | None, table) -> None:
+    """The readable table on stderr, then the JSON summary as the last stdout line (and in
+    ``out`` if given)."""
+    table(summary)
+    line = json.dumps(summary)
+    if out:
+        Path(out).write_text(line + "\n")
+    print(line, flush=True)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -419,13 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"machine": machine, "graph": graph, "config": config, "results": results,
                "ratios": compute_ratios(results), "errors": errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
-               "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None
-                                                                  else sys.argv[1:])])}
-    print_table(summary)
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line, flush=True)
+               "command": command_line("benchmarks.run", argv)}
+    emit_summary(summary, args.out, print_table)
     return 1 if errors else 0
 
 

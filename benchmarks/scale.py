@@ -50,20 +50,25 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 import warnings
 from pathlib import Path
 
-import numpy as np
 import psutil
 
+from benchmarks.run import (
+    _int_list,
+    _ratio,
+    command_line,
+    emit_summary,
+    synthetic_data,
+    write_one_part,
+)
 from partition.layout import PartitionFormatError, PartitionSetMeta
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,13 +81,6 @@ STEPS = ("generate", "server", "dgl")
 
 def log(msg: str) -> None:
     print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 def _scale_list(text: str) -> list[float]:
@@ -237,38 +235,17 @@ def step_generate(args: argparse.Namespace, n: int) -> dict:
                     "prep_peak_rss_bytes": prep.get("prep_peak_rss_bytes")}
     except PartitionFormatError:
         pass
-    from partition.partitioner import partition_graph
-    from partition.synthetic import generate
-
-    if not (0 < args.train_frac and 0 <= args.eval_frac
-            and args.train_frac + 2 * args.eval_frac <= 1):
-        raise ValueError("need 0 < --train-frac and train-frac + 2 * eval-frac <= 1")
     log(f"generating {n:,} nodes, avg degree {args.avg_degree:.4g} "
         f"(~{round(n * args.avg_degree / 2):,} undirected edges), {args.feat_dim}-dim "
         f"features, {args.num_classes} classes")
     t0 = time.perf_counter()
-    data = generate(n, avg_degree=args.avg_degree, feat_dim=args.feat_dim,
-                    num_classes=args.num_classes, seed=args.seed, progress=True)
-    perm = np.random.default_rng(args.seed + 1).permutation(n)
-    n_train, n_eval = max(1, round(args.train_frac * n)), round(args.eval_frac * n)
-    data.train = np.sort(perm[:n_train]).astype(np.int64)
-    data.valid = np.sort(perm[n_train:n_train + n_eval]).astype(np.int64)
-    data.test = np.sort(perm[n_train + n_eval:n_train + 2 * n_eval]).astype(np.int64)
-    del perm
+    data = synthetic_data(n, args)
     generate_s = time.perf_counter() - t0
     log(f"generated in {generate_s:.1f}s; partitioning (1 part)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        t1 = time.perf_counter()
-        partition_graph(data, 1, tmp / "set", seed=args.seed, progress=True)
-        partition_s = time.perf_counter() - t1
-        del data
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp / "set", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    t1 = time.perf_counter()
+    write_one_part(data, out, args.seed)
+    partition_s = time.perf_counter() - t1
+    del data
     res = {"parts_dir": str(out), "cached": False, "generate_s": round(generate_s, 2),
            "partition_s": round(partition_s, 2), "prep_peak_rss_bytes": self_peak_rss()}
     _prep_file(out).write_text(json.dumps(res) + "\n")
@@ -402,12 +379,6 @@ def run_step(args: argparse.Namespace, step: str, n: int) -> dict:
         raise RuntimeError(f"step {step} printed no JSON as its last stdout line: {e}") from e
     res["step_wall_s"] = round(time.perf_counter() - t0, 2)
     return res
-
-
-def _ratio(num: float | None, den: float | None) -> float | None:
-    if not num or not den:
-        return None
-    return round(num / den, 3)
 
 
 def compute_ratios(scales: list[dict]) -> dict:
@@ -549,13 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"machine": machine, "config": config, "scales": scales,
                "ratios": compute_ratios(scales), "errors": errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
-               "command": " ".join(["python -m benchmarks.scale",
-                                    *(argv if argv is not None else sys.argv[1:])])}
-    print_table(summary)
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line, flush=True)
+               "command": command_line("benchmarks.scale", argv)}
+    emit_summary(summary, args.out, print_table)
     return 1 if errors else 0
 
 
