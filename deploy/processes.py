@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -26,16 +25,9 @@ from threading import Thread
 
 import psutil
 
-PR_SET_PDEATHSIG = 1
+from common.lifetime import die_with_parent
+
 _EOL = re.compile(rb"\r\n?|\n")
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass  # not Linux: teardown still kills children on every normal exit path
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
@@ -68,7 +60,7 @@ class ProcessGroup:
         """Start a child; its stderr is echoed to ours and the last lines kept for errors."""
         proc = subprocess.Popen(argv, stdout=stdout if stdout is not None else sys.stderr,
                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
         child = Child(name, proc)
 
         def pump() -> None:

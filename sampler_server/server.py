@@ -49,6 +49,7 @@ from common import codec
 from common.cluster import ClusterSpec
 from common.config import ServerConfig
 from common.errors import MfgServeError, ProtocolError
+from common.lifetime import die_with_parent
 from common.messages import (
     FEAT_TRANSFER_DTYPES,
     Ack,
@@ -70,7 +71,6 @@ from common.messages import (
     StatsRequest,
 )
 from common.sockets import CurveKeys, bound_endpoint, make_socket
-from deploy.processes import _die_with_parent
 from partition.layout import load_hot_rank
 from sampler_server.partition_store import PartitionStore
 from sampler_server.sample_worker import STAT_KEYS, SampleWorker, hot_rank_or_error, peer_keys
@@ -164,7 +164,7 @@ class SamplerServer:
         for i in range(self.cfg.sampler_procs):
             self.procs.append(subprocess.Popen(worker_argv(self.cfg, backend_ep, i),
                                                stdin=subprocess.DEVNULL,
-                                               preexec_fn=_die_with_parent))
+                                               preexec_fn=die_with_parent))
         deadline = time.monotonic() + SAMPLER_START_TIMEOUT_S
         while len(self.idle) < len(self.procs):
             self._check_procs()
