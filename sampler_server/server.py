@@ -166,19 +166,27 @@ class SamplerServer:
                                                stdin=subprocess.DEVNULL,
                                                preexec_fn=die_with_parent))
         deadline = time.monotonic() + SAMPLER_START_TIMEOUT_S
-        while len(self.idle) < len(self.procs):
-            self._check_procs()
-            if self.fatal:
-                raise MfgServeError(f"part {self.cfg.part_id}: {self.fatal}")
-            if time.monotonic() > deadline:
-                raise MfgServeError(
-                    f"part {self.cfg.part_id}: {len(self.procs) - len(self.idle)} sampler "
-                    f"process(es) not ready after {SAMPLER_START_TIMEOUT_S:.0f}s; use fewer "
-                    "--sampler-procs or check memory")
-            if self.backend.poll(200):
-                frames = self.backend.recv_multipart()
-                if frames[1] == b"READY":
-                    self.idle.append(frames[0])
+        try:
+            while len(self.idle) < len(self.procs):
+                self._check_procs()
+                if self.fatal:
+                    raise MfgServeError(f"part {self.cfg.part_id}: {self.fatal}")
+                if time.monotonic() > deadline:
+                    raise MfgServeError(
+                        f"part {self.cfg.part_id}: {len(self.procs) - len(self.idle)} sampler "
+                        f"process(es) not ready after {SAMPLER_START_TIMEOUT_S:.0f}s; use "
+                        "fewer --sampler-procs or check memory")
+                if self.backend.poll(200):
+                    frames = self.backend.recv_multipart()
+                    if frames[1] == b"READY":
+                        self.idle.append(frames[0])
+        except BaseException:
+            # The server never starts serving, so close() will not run: stop the workers
+            # that did start and remove the private directory here.
+            self._stop_procs()
+            self.backend.close(0)
+            shutil.rmtree(self.proc_dir, ignore_errors=True)
+            raise
 
     def _check_procs(self) -> None:
         for i, proc in enumerate(self.procs):
