@@ -41,7 +41,7 @@ from common.messages import (
     StatsRequest,
 )
 from common.rpc import RpcChannel, expect
-from common.shm_ring import ShmRing
+from common.shm_ring import ShmRing, max_input_rows
 from deploy.processes import ProcessGroup
 from partition.layout import PartitionSetMeta
 
@@ -116,19 +116,15 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
             raise ServerBenchError(f"part 0 of {parts_dir} has no training seeds to sample")
         stream = _batches(train, batch_size, seed)
         if shm_ring:
-            bound = batch_size
-            for f in fanouts:
-                bound = meta.num_nodes if f < 0 else min(meta.num_nodes, bound * (1 + f))
-            ring = ShmRing(inflight, bound * meta.feat_dim * 4)
+            rows = max_input_rows(batch_size, fanouts, meta.num_nodes)
+            ring = ShmRing(inflight, rows * meta.feat_dim * 4)
         slots: dict[int, int] = {}
 
         def send() -> None:
             req = SampleRequest(seeds=next(stream), fanouts=list(fanouts))
             slot = ring.acquire() if ring is not None else None
             if slot is not None:
-                ref = ring.ref(slot)
-                req.shm_pid, req.shm_fd, req.shm_token = ref.pid, ref.fd, ref.token
-                req.shm_offset, req.shm_capacity = ref.offset, ref.capacity
+                ring.ref(slot).attach(req)
             rid = ch.send(req)  # type: ignore[union-attr]
             if slot is not None:
                 slots[rid] = slot

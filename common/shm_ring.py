@@ -65,6 +65,25 @@ class SlotRef:
     offset: int
     capacity: int
 
+    def attach(self, req) -> None:
+        """Name this slot in ``req`` (a SampleRequest's ``shm_*`` fields)."""
+        req.shm_pid, req.shm_fd, req.shm_token = self.pid, self.fd, self.token
+        req.shm_offset, req.shm_capacity = self.offset, self.capacity
+
+    @classmethod
+    def of(cls, req) -> SlotRef:
+        """The slot ``req`` names (its ``shm_fd`` must be >= 0)."""
+        return cls(req.shm_pid, req.shm_fd, req.shm_token, req.shm_offset, req.shm_capacity)
+
+
+def max_input_rows(batch_size: int, fanouts: list[int], num_nodes: int) -> int:
+    """An upper bound on a batch's input nodes: each layer adds at most ``fanout`` sources
+    per destination (all of them for -1), and never more than the graph has."""
+    rows = min(batch_size, num_nodes)
+    for f in fanouts:
+        rows = num_nodes if f < 0 else min(num_nodes, rows * (1 + f))
+    return rows
+
 
 class ShmRing:
     """The trainer's side: ``num_slots`` slots of ``slot_bytes`` each, in one memfd."""
@@ -133,7 +152,7 @@ class ShmRing:
              on_release=None) -> Tensor:
         """``rows x cols`` of ``dtype`` at the start of ``slot``; the slot is released (via
         ``on_release(slot)`` if given, else :meth:`release`) once no tensor views it."""
-        nbytes = rows * cols * torch.empty(0, dtype=dtype).element_size()
+        nbytes = rows * cols * dtype.itemsize
         if nbytes > self.slot_bytes:
             raise MfgServeError(f"a server wrote {nbytes} bytes into a ring slot of "
                                 f"{self.slot_bytes}")
@@ -229,7 +248,7 @@ class ShmWriter:
     def target(self, ref: SlotRef, rows: int, cols: int, dtype: torch.dtype) -> Tensor | None:
         """A ``rows x cols`` tensor of ``dtype`` over the slot, or None if it does not fit.
         Raises :class:`ShmError` if the slot cannot be used at all."""
-        nbytes = rows * cols * torch.empty(0, dtype=dtype).element_size()
+        nbytes = rows * cols * dtype.itemsize
         if nbytes > ref.capacity:
             return None
         mm, size, _ = self._open(ref)

@@ -83,9 +83,8 @@ class SampleWorker:
         why the slot could not be used or "")."""
         if not msg.with_feat or msg.shm_fd < 0:
             return None, -1, ""
-        ref = SlotRef(msg.shm_pid, msg.shm_fd, msg.shm_token, msg.shm_offset, msg.shm_capacity)
         try:
-            slot = self.shm.target(ref, rows, self.store.feat.shape[1], dtype)
+            slot = self.shm.target(SlotRef.of(msg), rows, self.store.feat.shape[1], dtype)
         except ShmError as e:
             return None, -1, str(e)
         return slot, (rows if slot is not None else -1), ""

@@ -65,7 +65,7 @@ def test_features_arrive_in_ring(feat_transfer, cache_ratio, pool2, synth_graph,
         _check_rows(mfg, synth_graph, oracle)
         n += 1
     assert n == len(loader) and loader.stats.ring_hits == n
-    assert loader.ring_on and loader.stats.ring_misses == 0
+    assert not loader.no_ring and loader.stats.ring_misses == 0
     # The features did not travel through the socket: a few KB per batch at most.
     rx = sum(c.bytes_received for c in pool2.channels.values()) - bytes0
     assert rx < n * 64 * 11 * 11 * 8 * 4, rx
@@ -99,7 +99,7 @@ def test_slot_too_small_goes_on_wire(pool2, synth_graph, synth_parts2):
     loader = _loader(pool2, info, synth_parts2, ring)
     for _, _, mfg in loader:
         _check_rows(mfg, synth_graph, oracle)
-    assert loader.stats.ring_hits == 0 and loader.ring_on
+    assert loader.stats.ring_hits == 0 and not loader.no_ring
     ring.close()
 
 
@@ -146,17 +146,16 @@ def test_server_refuses_what_is_not_a_ring(server_factory, synth_parts1, synth_g
             "outside": SlotRef(os.getpid(), ring.fd, ring.token, HEADER_BYTES, 1 << 30),
         }
         for what, ref in cases.items():
-            reply = _raw_call(ep, SampleRequest(
-                seeds=seeds, fanouts=[3], shm_pid=ref.pid, shm_fd=ref.fd, shm_token=ref.token,
-                shm_offset=ref.offset, shm_capacity=ref.capacity))
+            req = SampleRequest(seeds=seeds, fanouts=[3])
+            ref.attach(req)
+            reply = _raw_call(ep, req)
             assert reply.feat_shm_rows == -1 and reply.shm_error, what
             np.testing.assert_array_equal(
                 reply.feat.numpy(), synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
         assert victim.read_bytes() == b"\0" * (1 << 20), "a non-ring file was written"
-        ok = ring.ref(ring.acquire())
-        reply = _raw_call(ep, SampleRequest(
-            seeds=seeds, fanouts=[3], shm_pid=ok.pid, shm_fd=ok.fd, shm_token=ok.token,
-            shm_offset=ok.offset, shm_capacity=ok.capacity))
+        req = SampleRequest(seeds=seeds, fanouts=[3])
+        ring.ref(ring.acquire()).attach(req)
+        reply = _raw_call(ep, req)
         assert reply.feat_shm_rows == reply.input_nodes.numel() and not reply.shm_error
         got = ring.view(0, reply.feat_shm_rows, reply.feat.shape[1], reply.feat.dtype)
         np.testing.assert_array_equal(

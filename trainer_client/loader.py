@@ -108,11 +108,6 @@ class DistNodeDataLoader:
         self.copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                             else None)
 
-    @property
-    def ring_on(self) -> bool:
-        """Whether every server so far could write into the ring."""
-        return self.ring is not None and not self.no_ring
-
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -141,9 +136,7 @@ class DistNodeDataLoader:
             if slot is None:
                 self.stats.ring_misses += 1
                 return
-            ref = self.ring.ref(slot)
-            msg.shm_pid, msg.shm_fd, msg.shm_token = ref.pid, ref.fd, ref.token
-            msg.shm_offset, msg.shm_capacity = ref.offset, ref.capacity
+            self.ring.ref(slot).attach(msg)
             offered.append(slot)
 
         handle = self.pool.submit(self._owner(batch), req, before_send=offer)

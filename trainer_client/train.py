@@ -24,7 +24,7 @@ from common.cluster import ClusterSpec
 from common.config import TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
 from common.messages import FEAT_TRANSFER_DTYPES
-from common.shm_ring import ShmRing
+from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import CurveKeys
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.loader import DistNodeDataLoader
@@ -117,14 +117,10 @@ def make_ring(cfg: TrainerConfig, info, device: torch.device) -> ShmRing | None:
         return None
     slots = cfg.max_inflight + 2  # in flight, plus the batch being trained and the next one
     dtype = FEAT_TRANSFER_DTYPES.get(cfg.feat_transfer) or getattr(torch, info.feat_dtype)
-    row_bytes = info.feat_dim * torch.empty(0, dtype=dtype).element_size()
-    rows = 0
-    for fanouts, batch in ((cfg.fanouts, cfg.batch_size),
-                           (cfg.eval_fanouts or cfg.fanouts, cfg.eval_batch_size)):
-        bound = batch
-        for f in fanouts:
-            bound = info.num_nodes if f < 0 else min(info.num_nodes, bound * (1 + f))
-        rows = max(rows, min(bound, info.num_nodes))
+    row_bytes = info.feat_dim * dtype.itemsize
+    rows = max(max_input_rows(cfg.batch_size, cfg.fanouts, info.num_nodes),
+               max_input_rows(cfg.eval_batch_size, cfg.eval_fanouts or cfg.fanouts,
+                              info.num_nodes))
     slot_bytes = max(rows * row_bytes, 1)
     total = (cfg.shm_ring_mb << 20) if cfg.shm_ring_mb else min(slots * slot_bytes, 4096 << 20)
     slot_bytes = max(total // slots, 1)
