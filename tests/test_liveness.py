@@ -103,6 +103,15 @@ def _stats(ctx: zmq.Context, server: ServerProcess) -> dict[str, float]:
         ch.close()
 
 
+def _sample(ctx: zmq.Context, endpoint: str, seeds: torch.Tensor) -> MFGReply:
+    """One SampleRequest (fanouts 5,5) on a fresh channel, answered within the deadline."""
+    ch = RpcChannel(ctx, endpoint, timeout_s=RPC_TIMEOUT_S, setting="test timeout")
+    try:
+        return expect(ch.call(SampleRequest(seeds=seeds, fanouts=[5, 5])), MFGReply, endpoint)
+    finally:
+        ch.close()
+
+
 def _wait_sampling(ctx: zmq.Context, servers: list[ServerProcess], trainers: list[Trainer],
                    at_least: int, timeout: float = 90.0) -> list[dict[str, float]]:
     """Wait until every server has answered ``at_least`` sample requests (training is on)."""
@@ -261,12 +270,7 @@ def test_ddp_rank_death_surviving_rank_exits(how, server_factory, synth_parts2, 
         _assert_same_servers(ctx, servers, pongs)
         for p, s in enumerate(servers):
             seeds = torch.arange(pongs[p].node_offsets[p], pongs[p].node_offsets[p] + 32)
-            ch = RpcChannel(ctx, s.endpoint, timeout_s=RPC_TIMEOUT_S, setting="test timeout")
-            try:
-                reply = expect(ch.call(SampleRequest(seeds=seeds, fanouts=[5, 5])), MFGReply,
-                               s.endpoint)
-            finally:
-                ch.close()
+            reply = _sample(ctx, s.endpoint, seeds)
             assert torch.equal(reply.input_nodes[:32], seeds)
             assert reply.label.numel() == 32
             st = _stats(ctx, s)
@@ -359,12 +363,7 @@ def test_connect_disconnect_churn_does_not_leak(server_factory, synth_parts1, tm
 
         # A valid request is still answered, exactly: seeds first, labels of those seeds.
         seeds = torch.tensor([0, 7, 123, pong.num_nodes - 1])
-        ch = RpcChannel(ctx, server.endpoint, timeout_s=RPC_TIMEOUT_S, setting="test timeout")
-        try:
-            reply = expect(ch.call(SampleRequest(seeds=seeds, fanouts=[5, 5])), MFGReply,
-                           server.endpoint)
-        finally:
-            ch.close()
+        reply = _sample(ctx, server.endpoint, seeds)
         labels = torch.from_numpy(np.load(synth_parts1 / "part-0" / "label.npy"))
         assert torch.equal(reply.input_nodes[:4], seeds)
         assert torch.equal(reply.label, labels[seeds])
