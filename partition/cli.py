@@ -2,21 +2,24 @@
 into a partition set (see ``docs/partitions.md``).
 
 Progress and a human summary go to stderr; the last line on stdout is a one-line JSON
-summary. Expected failures (bad arguments, missing files, METIS unavailable) exit with code
-2 and a message naming what failed and what to change.
+summary. Expected failures (bad arguments, missing or malformed files, METIS unavailable, an
+unwritable or full ``--out``) exit with code 2 and a message naming what failed and what to
+change, never a traceback. The set is written beside ``--out`` and renamed into place when
+complete, so a failed run leaves nothing behind (see ``partition/outdir.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from common.jsonout import dumps_strict
 from partition.graph_data import DatasetError
+from partition.outdir import PartitionError, check_out, describe_os_error
 
 PROG = "partition-ogbn"
 EXIT_USAGE = 2
@@ -108,13 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         metavar="DIR",
         help="output directory of the partition set; must be new or empty (required unless "
-        "--raw-out is given)",
+        "--raw-out is given). The set is written beside it and renamed into place when "
+        "complete",
     )
     p.add_argument(
         "--force",
         action="store_true",
-        help="overwrite an existing partition set (or OGB raw directory for --raw-out) at the "
-        "output path (default: refuse)",
+        help="replace an existing partition set (or OGB raw directory for --raw-out) at the "
+        "output path; only the set's own files are deleted, and a directory holding anything "
+        "else is refused (default: refuse)",
     )
     p.add_argument(
         "--seed",
@@ -244,21 +249,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _check_out_dir(out: Path, force: bool) -> None:
-    from partition.partitioner import is_partition_set
-
-    if out.exists() and not out.is_dir():
-        raise CliError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()):
-        if not is_partition_set(out):
-            raise CliError(
-                f"--out {out} is not empty and is not a partition set; refusing to write into "
-                "it: choose an empty or new directory"
-            )
-        if not force:
-            raise CliError(
-                f"--out {out} already holds a partition set; pass --force to overwrite it, or "
-                "choose another --out"
-            )
+    try:
+        check_out(out, force)
+    except PartitionError as e:
+        raise CliError(str(e)) from e
 
 
 @contextlib.contextmanager
@@ -290,7 +284,7 @@ def _summary_lines(meta, load_s: float, total_s: float) -> list[str]:
     lines = [
         f"{PROG}: {meta.dataset}: {meta.num_nodes:,} nodes, {meta.num_edges:,} directed edges, "
         f"{meta.feat_dim}-dim features, {meta.num_classes} classes -> {meta.num_parts} part(s) "
-        f"({meta.method})",
+        f"({meta.method}), set_id {meta.set_id}",
         f"  {'part':>4} {'nodes':>12} {'edges':>14} {'train':>10} {'cut edges':>12} "
         f"{'halo nodes':>12} {'halo edges':>12}",
     ]
@@ -352,7 +346,10 @@ def _run(args: argparse.Namespace) -> dict:
     }
     if args.raw_out is not None:
         t = time.perf_counter()
-        write_ogb_raw(data, args.raw_out, progress=progress)
+        try:
+            write_ogb_raw(data, args.raw_out, progress=progress)
+        except OSError as e:
+            raise CliError(describe_os_error(e, f"writing --raw-out {args.raw_out} failed")) from e
         result["raw_out"] = str(Path(args.raw_out))
         result["raw_write_s"] = round(time.perf_counter() - t, 3)
         print(
@@ -378,6 +375,7 @@ def _run(args: argparse.Namespace) -> dict:
         st = meta.stats
         result.update(
             out=str(Path(args.out)),
+            set_id=meta.set_id,
             num_parts=meta.num_parts,
             method=meta.method,
             feat_dim=meta.feat_dim,
@@ -423,16 +421,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except ValueError as e:  # PartitionError, PartitionFormatError
         from partition.layout import PartitionFormatError
-        from partition.partitioner import PartitionError
 
         if isinstance(e, (PartitionError, PartitionFormatError)):
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         raise
+    except OSError as e:  # e.g. an unreadable dataset file or --work-dir
+        print(f"{PROG}: error: {describe_os_error(e, 'a file operation failed')}",
+              file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    print(json.dumps(result, separators=(",", ":")), flush=True)
+    print(dumps_strict(result, separators=(",", ":")), flush=True)
     return 0
 
 

@@ -12,6 +12,8 @@ import numpy as np
 
 __all__ = ["GraphData", "DatasetError"]
 
+_FINITE_CHUNK = 1 << 22  # feature values checked for NaN / inf per step
+
 
 class DatasetError(ValueError):
     """A dataset cannot be loaded or is inconsistent; the message says what to change."""
@@ -29,7 +31,9 @@ class GraphData:
       synthetic generator) store an undirected edge ``{u, v}`` as the adjacent pair
       ``(u -> v)`` at an even index ``2k`` and ``(v -> u)`` at ``2k + 1`` (ogb's own order);
       :func:`partition.synthetic.write_ogb_raw` relies on that to write each edge once.
-    * ``feat``: ``np.float32 [num_nodes, D]``, row i = features of node i.
+    * ``feat``: ``np.float32 [num_nodes, D]``, row i = features of node i, all finite (no NaN
+      or inf; checked in chunks of rows, so the check needs no second copy of ``feat``).
+      ``feat_source`` names where they were read from (a file), for error messages.
     * ``label``: ``np.int64 [num_nodes]``, class in ``[0, num_classes)``, ``-1`` where the
       node is unlabeled (NaN in the source).
     * ``train``, ``valid``, ``test``: ``np.int64`` original node ids, each within
@@ -47,6 +51,7 @@ class GraphData:
     valid: np.ndarray
     test: np.ndarray
     num_classes: int
+    feat_source: str = ""
 
     @property
     def num_edges(self) -> int:
@@ -104,6 +109,7 @@ class GraphData:
             raise DatasetError(f"{where}: feat must be a np.float32 array")
         if self.feat.ndim != 2 or self.feat.shape[0] != n:
             raise DatasetError(f"{where}: feat has shape {self.feat.shape}, expected ({n}, D)")
+        self._check_finite()
         if self.label.shape != (n,):
             raise DatasetError(f"{where}: label has shape {self.label.shape}, expected ({n},)")
         if self.num_classes < 1:
@@ -120,3 +126,21 @@ class GraphData:
             if np.unique(ids).size != ids.size:
                 raise DatasetError(f"{where}: {s} split lists some node more than once")
         return self
+
+    def _check_finite(self) -> None:
+        """Raise DatasetError naming the source and the first row with a NaN or inf feature."""
+        feat = self.feat
+        rows = max(1, _FINITE_CHUNK // max(1, feat.shape[1]))
+        for start in range(0, feat.shape[0], rows):
+            ok = np.isfinite(feat[start : start + rows])
+            if ok.all():
+                continue
+            r, c = (int(x) for x in np.argwhere(~ok)[0])
+            row = start + r
+            source = self.feat_source or f"the node features of dataset {self.name!r}"
+            raise DatasetError(
+                f"{source}: row {row} (node {row}, counting from 0) holds a non-finite feature "
+                f"value ({feat[row, c]} in column {c}); node features must be finite numbers: "
+                "fix that row (and any later ones) in the source, e.g. replace NaN / inf by 0, "
+                "then re-run"
+            )

@@ -3,7 +3,9 @@
 A partition set is a directory::
 
     OUT/
-      metadata.json          versioned description (see PartitionSetMeta)
+      metadata.json          versioned description (see PartitionSetMeta), with ``set_id``: a
+                             fresh random id per written set, so servers, trainers and peers can
+                             tell two sets at the same path apart
       orig_to_new.npy        int64 [N]   original dataset node id -> global node id
       hot_rank.npy           int64 [N]   (optional) rank of each node within its part by how often
                                          pre-sampled mini-batches used it (0 = hottest); a
@@ -48,15 +50,18 @@ is read from the page cache, once per node, however many processes load it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 FORMAT_NAME = "mfgserve-partitions"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: metadata.json carries set_id
 METADATA_FILE = "metadata.json"
 HOT_RANK_FILE = "hot_rank.npy"
 PART_ARRAYS = ("indptr", "indices", "feat", "label", "orig_ids", "train", "valid", "test")
@@ -66,7 +71,7 @@ FEAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class PartitionFormatError(ValueError):
-    """A partition directory is missing, incomplete, or of another format version."""
+    """A partition directory is missing, incomplete, corrupt, or of another format version."""
 
 
 @dataclass
@@ -86,7 +91,13 @@ class PartInfo:
 
 @dataclass
 class PartitionSetMeta:
-    """Contents of metadata.json. Counts are in nodes / directed edges."""
+    """Contents of metadata.json. Counts are in nodes / directed edges.
+
+    ``set_id`` identifies one written partition set: :func:`new_set_id` makes a fresh one each
+    time a set is written (rewriting the same path gives a new id), and :meth:`load` refuses a
+    set without one. Read it as ``PartitionSetMeta.load(root).set_id`` or
+    ``load_partition(root, p).meta.set_id``.
+    """
 
     dataset: str
     num_parts: int
@@ -101,6 +112,7 @@ class PartitionSetMeta:
     halo_hops: int = 0
     edge_cut: int = 0
     seed: int = 0
+    set_id: str = ""
     stats: dict = field(default_factory=dict)
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
@@ -149,7 +161,17 @@ class PartitionSetMeta:
             raise PartitionFormatError(
                 f"{path}: node_offsets/parts do not match num_parts={meta.num_parts}"
             )
+        if not isinstance(meta.set_id, str) or not meta.set_id:
+            raise PartitionFormatError(
+                f"{path} has no set_id (every version-{FORMAT_VERSION} set has one); it was not "
+                "written by partition-ogbn: re-run partition-ogbn to rewrite the set"
+            )
         return meta
+
+
+def new_set_id() -> str:
+    """A fresh partition-set id (32 hex digits), made each time a set is written."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -181,36 +203,88 @@ class Partition:
         return self.meta.parts[self.part_id].num_nodes
 
 
+def _load_array(path: Path, root: str | os.PathLike, mmap: bool) -> np.ndarray:
+    """``np.load`` one array of a set; a missing, truncated or garbled file is a
+    PartitionFormatError naming the file."""
+    if not path.is_file():
+        raise PartitionFormatError(
+            f"{path} is missing: the partition set {root} is incomplete; re-run partition-ogbn "
+            "(with --force) to rewrite it"
+        )
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        if not isinstance(arr, np.ndarray):
+            raise ValueError("not a single .npy array")
+    except Exception as e:  # numpy raises ValueError / OSError / EOFError / zip errors
+        raise PartitionFormatError(
+            f"{path} is corrupt or truncated ({e}); re-run partition-ogbn (with --force) to "
+            f"rewrite the partition set {root}"
+        ) from e
+    return arr
+
+
+def _expected_shapes(meta: PartitionSetMeta, info: PartInfo) -> dict[str, tuple[int, ...]]:
+    n, h, d = info.num_nodes, info.num_halo_nodes, meta.feat_dim
+    shapes = {"indptr": (n + 1,), "indices": (info.num_edges,), "feat": (n, d), "label": (n,),
+              "orig_ids": (n,), "train": (info.num_train,), "valid": (info.num_valid,),
+              "test": (info.num_test,)}
+    if meta.halo_hops > 0:
+        shapes.update(halo_nodes=(h,), halo_indptr=(h + 1,),
+                      halo_indices=(info.num_halo_edges,), halo_feat=(h, d), halo_label=(h,))
+    return shapes
+
+
+def _check_csc(indptr: np.ndarray, num_edges: int, path: Path) -> None:
+    if indptr.shape[0] and (int(indptr[0]) != 0 or int(indptr[-1]) != num_edges):
+        raise PartitionFormatError(
+            f"{path} spans edges [{int(indptr[0])}, {int(indptr[-1])}) but the part stores "
+            f"{num_edges}; the set is inconsistent: re-run partition-ogbn (with --force)"
+        )
+
+
 def load_partition(root: str | os.PathLike, part_id: int, mmap: bool = True) -> Partition:
-    """Open part ``part_id`` of the set at ``root``; arrays are mmaps unless ``mmap=False``."""
+    """Open part ``part_id`` of the set at ``root``; arrays are mmaps unless ``mmap=False``.
+
+    Raises :class:`PartitionFormatError` naming the file when an array is missing, corrupt,
+    truncated, or of a shape that disagrees with metadata.json (header-only checks, plus the
+    two ends of each ``indptr``)."""
     meta = PartitionSetMeta.load(root)
     if not 0 <= part_id < meta.num_parts:
         raise PartitionFormatError(
             f"part {part_id} does not exist in {root}: it has parts 0..{meta.num_parts - 1}; "
             "change --part-id"
         )
-    pdir = Path(root) / meta.parts[part_id].dir
-    arrays = {}
-    for name in PART_ARRAYS + (HALO_ARRAYS if meta.halo_hops > 0 else ()):
-        f = pdir / f"{name}.npy"
-        if not f.is_file():
-            raise PartitionFormatError(
-                f"{f} is missing: part {part_id} of {root} is incomplete; re-run partition-ogbn"
-            )
-        arrays[name] = np.load(f, mmap_mode="r" if mmap else None)
     info = meta.parts[part_id]
-    if arrays["indptr"].shape != (info.num_nodes + 1,) or arrays["feat"].shape[0] != info.num_nodes:
-        raise PartitionFormatError(
-            f"{pdir}: array sizes disagree with metadata.json (num_nodes={info.num_nodes}); "
-            "re-run partition-ogbn"
-        )
+    pdir = Path(root) / info.dir
+    arrays = {}
+    for name, shape in _expected_shapes(meta, info).items():
+        f = pdir / f"{name}.npy"
+        arrays[name] = _load_array(f, root, mmap)
+        if arrays[name].shape != shape:
+            raise PartitionFormatError(
+                f"{f} has shape {arrays[name].shape} but metadata.json says {shape} "
+                f"(part {part_id}: {info.num_nodes} nodes, {info.num_edges} edges); the set is "
+                "inconsistent: re-run partition-ogbn (with --force) to rewrite it"
+            )
+    _check_csc(arrays["indptr"], info.num_edges, pdir / "indptr.npy")
+    if meta.halo_hops > 0:
+        _check_csc(arrays["halo_indptr"], info.num_halo_edges, pdir / "halo_indptr.npy")
     return Partition(meta=meta, part_id=part_id, **arrays)
 
 
 def load_hot_rank(root: str | os.PathLike) -> np.ndarray | None:
     """The set's hot_rank.npy (mmap), or None if it was written without pre-sampling."""
     path = Path(root) / HOT_RANK_FILE
-    return np.load(path, mmap_mode="r") if path.is_file() else None
+    if not path.is_file():
+        return None
+    rank = _load_array(path, root, mmap=True)
+    n = PartitionSetMeta.load(root).num_nodes
+    if rank.shape != (n,):
+        raise PartitionFormatError(
+            f"{path} has shape {rank.shape} but the set has {n} nodes; re-run partition-ogbn "
+            "(with --force) to rewrite it"
+        )
+    return rank
 
 
 def cached_mask(rank: np.ndarray, gids: np.ndarray, node_offsets: list[int],
@@ -232,7 +306,7 @@ def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarr
     pdir = Path(root) / f"part-{part_id}"
     pdir.mkdir(parents=True, exist_ok=True)
     for name in names:
-        np.save(pdir / f"{name}.npy", np.ascontiguousarray(arrays[name]))
+        save_array(pdir / f"{name}.npy", arrays[name])
     n = int(arrays["indptr"].shape[0] - 1)
     return PartInfo(
         id=part_id,
@@ -247,8 +321,30 @@ def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarr
     )
 
 
+def save_array(path: Path, arr: np.ndarray) -> None:
+    """``np.save`` that names the file in its OSError (numpy's own says only "N requested and
+    M written" when the disk fills up)."""
+    arr = np.ascontiguousarray(arr)
+    try:
+        np.save(path, arr)
+    except OSError as e:
+        code, reason = e.errno, e.strerror
+        if code is None:
+            try:
+                full = shutil.disk_usage(path.parent).free < arr.nbytes + 4096
+            except OSError:
+                full = False
+            code = errno.ENOSPC if full else errno.EIO
+            reason = os.strerror(code) if full else str(e)
+        raise OSError(code, reason, str(path)) from e
+
+
 def write_metadata(root: str | os.PathLike, meta: PartitionSetMeta) -> None:
-    """Write metadata.json last and atomically: a set without it is never mistaken for complete."""
+    """Write metadata.json last and atomically: a set without it is never mistaken for complete.
+
+    ``meta.set_id`` must be set (a fresh :func:`new_set_id` for every written set)."""
+    if not meta.set_id:
+        raise ValueError("write_metadata: meta.set_id is empty; set it to new_set_id()")
     path = Path(root) / METADATA_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(meta.to_json())

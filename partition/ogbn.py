@@ -19,6 +19,7 @@ The working directory is removed afterwards.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import shutil
@@ -122,6 +123,25 @@ def _check_layout(src: Path, meta: dict, where: str) -> None:
                 f"{where}: split files {[str(split_dir / f'{s}.csv.gz') for s in absent]} are "
                 f"missing (meta.json says split={meta['split']!r}); add them or fix 'split'"
             )
+        for s in ("train", "valid", "test"):
+            _check_split_file(split_dir / f"{s}.csv.gz", s, where)
+
+
+def _check_split_file(path: Path, split: str, where: str) -> None:
+    """ogb (pandas) fails with a traceback on an empty or unreadable split file: check first."""
+    try:
+        with gzip.open(path, "rt") as f:
+            has_ids = any(line.strip() for line in f)
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DatasetError(
+            f"{where}: cannot read the split file {path} ({e}); it must be a gzip-compressed "
+            f"CSV with one {split} node id per line: rewrite it"
+        ) from e
+    if not has_ids:
+        raise DatasetError(
+            f"{where}: the split file {path} is empty; ogb cannot read an empty split: write the "
+            f"{split} node ids into it, one per line (at least one)"
+        )
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -202,7 +222,25 @@ def _labels(raw, n: int, where: str) -> np.ndarray:
     return lab.astype(np.int64, copy=False)
 
 
-def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: str) -> GraphData:
+def _read_splits(ds, meta: dict, where: str) -> dict[str, np.ndarray]:
+    try:
+        split = ds.get_idx_split()
+        splits = {}
+        for s in ("train", "valid", "test"):
+            ids = split[s]
+            if hasattr(ids, "numpy"):
+                ids = ids.numpy()
+            splits[s] = np.asarray(ids, dtype=np.int64).reshape(-1)
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+        raise DatasetError(
+            f"{where}: ogb could not read the split split/{meta['split']}/ ({e!r}); its "
+            "train/valid/test files must list integer node ids, one per line"
+        ) from e
+    return splits
+
+
+def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: str,
+                   feat_source: str) -> GraphData:
     graph, labels = ds[0]
     n = int(graph["num_nodes"])
     if graph.get("node_feat") is None:
@@ -218,13 +256,7 @@ def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: st
         keep = src != dst  # a self loop is its own reverse
         src = np.concatenate([src, dst[keep]])
         dst = np.concatenate([dst, ei[0][keep]])
-    split = ds.get_idx_split()
-    splits = {}
-    for s in ("train", "valid", "test"):
-        ids = split[s]
-        if hasattr(ids, "numpy"):
-            ids = ids.numpy()
-        splits[s] = np.asarray(ids, dtype=np.int64).reshape(-1)
+    splits = _read_splits(ds, meta, where)
     data = GraphData(
         name=name,
         num_nodes=n,
@@ -233,6 +265,7 @@ def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: st
         feat=feat,
         label=_labels(labels, n, where),
         num_classes=int(meta["num classes"]),
+        feat_source=feat_source,
         **splits,
     )
     return data.validate()
@@ -317,6 +350,8 @@ def load_ogb(
                 ds = NodePropPredDataset(name=ds_name, meta_dict={**meta, "dir_path": str(work)})
             except (RuntimeError, ValueError, KeyError, OSError) as e:
                 raise DatasetError(f"ogb could not read {where}: {e!r}; check its raw files") from e
-            return _to_graph_data(ds, ds_name, meta, add_reverse_edges, where)
+            feat_file = "raw/data.npz" if meta.get("binary") == "True" else "raw/node-feat.csv.gz"
+            return _to_graph_data(ds, ds_name, meta, add_reverse_edges, where,
+                                  str(src / feat_file))
     finally:
         shutil.rmtree(work, ignore_errors=True)

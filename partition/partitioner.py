@@ -11,7 +11,9 @@ Steps of :func:`partition_graph`:
 3. **Write** each part with :func:`partition.layout.write_part`: the in-edges of its nodes
    in CSC (sources as new global ids, each node's in-edges sorted by source id), features,
    labels, original ids and seeds; then ``orig_to_new.npy``; then ``metadata.json`` last
-   (:func:`partition.layout.write_metadata`) with the statistics below.
+   (:func:`partition.layout.write_metadata`) with the statistics below and a fresh
+   ``set_id``. All of it goes into a temporary directory beside ``out`` that is renamed to
+   ``out`` when complete (:mod:`partition.outdir`): a failed run leaves nothing behind.
 
 ``meta.stats`` holds: ``edge_cut`` / ``edge_cut_frac`` (directed edges whose endpoints lie in
 different parts), ``node_balance`` / ``edge_balance`` / ``train_balance`` (max over mean of
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,12 @@ from tqdm import tqdm
 from partition import layout
 from partition.graph_data import GraphData
 from partition.layout import PartitionSetMeta
+from partition.outdir import (
+    PartitionError,
+    clear_partition_set,
+    is_partition_set,
+    staged_out,
+)
 
 __all__ = [
     "partition_graph",
@@ -55,10 +62,6 @@ _CHUNK = 1 << 22
 _TORCH_SORT_MIN = 1 << 24  # edges; below this numpy's sort is fast enough
 
 
-class PartitionError(ValueError):
-    """Partitioning cannot proceed; the message names the cause and what to change."""
-
-
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (bytes); current RSS where no peak is known."""
     try:
@@ -71,33 +74,6 @@ def peak_rss_bytes() -> int:
 
         info = psutil.Process().memory_info()
         return int(getattr(info, "peak_wset", info.rss))
-
-
-def is_partition_set(path: str | os.PathLike) -> bool:
-    """True when ``path`` holds a ``metadata.json`` of this layout (any version)."""
-    f = Path(path) / layout.METADATA_FILE
-    if not f.is_file():
-        return False
-    try:
-        import json
-
-        return json.loads(f.read_text()).get("format") == layout.FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def clear_partition_set(path: str | os.PathLike) -> None:
-    """Delete a partition set's files (metadata.json first, so it never looks complete)."""
-    root = Path(path)
-    if not is_partition_set(root):
-        raise PartitionError(f"{root} is not a partition set; refusing to delete anything in it")
-    (root / layout.METADATA_FILE).unlink()
-    for child in root.iterdir():
-        if child.is_dir() and child.name.startswith("part-"):
-            shutil.rmtree(child)
-        elif child.name in ("orig_to_new.npy", layout.HOT_RANK_FILE,
-                            layout.METADATA_FILE + ".tmp"):
-            child.unlink()
 
 
 def _metis_assign(data: GraphData, num_parts: int) -> np.ndarray:
@@ -254,23 +230,6 @@ def _balance(counts: np.ndarray) -> float:
     return float(np.max(counts) / mean) if mean > 0 else 1.0
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise PartitionError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()):
-        if not is_partition_set(out):
-            raise PartitionError(
-                f"--out {out} is not empty and is not a partition set; refusing to write into "
-                "it: choose an empty or new directory"
-            )
-        if not overwrite:
-            raise PartitionError(
-                f"--out {out} already holds a partition set; pass --force to overwrite it, or "
-                "choose another directory"
-            )
-        clear_partition_set(out)
-
-
 def partition_graph(
     data: GraphData,
     num_parts: int,
@@ -294,8 +253,11 @@ def partition_graph(
     how often it appeared as an input node, the order trainers fill their feature caches in.
 
     ``out`` must be empty or new; an existing partition set there is replaced only with
-    ``overwrite=True``. Raises :class:`PartitionError` for bad arguments, an unusable
-    ``out``, or METIS being unavailable (there is no silent fallback to ``random``).
+    ``overwrite=True``, and only when it holds nothing but the set's own files. The set is
+    written beside ``out`` and renamed into place when complete (see :mod:`partition.outdir`);
+    on failure nothing is left behind. Raises :class:`PartitionError` for bad arguments, an
+    unusable ``out`` (an OSError while writing becomes one too), or METIS being unavailable
+    (there is no silent fallback to ``random``).
     """
     t0 = time.perf_counter()
     if not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
@@ -310,10 +272,18 @@ def partition_graph(
         raise PartitionError(f"num_parts={num_parts} exceeds the {n} nodes of {data.name}")
     if n > 3_000_000_000:
         raise PartitionError(f"{n} nodes: edge sort keys (dst * n + src) would overflow int64")
-    out = Path(out)
-    _check_out(out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    e = data.num_edges
+    presample = (presample_batches, presample_fanouts, presample_batch_size)
+    with staged_out(out, overwrite) as tmp:
+        return _write_set(data, num_parts, tmp, Path(out), method, seed, progress, halo_hops,
+                          presample, t0)
+
+
+def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: str, seed: int,
+               progress: bool, halo_hops: int, presample: tuple, t0: float) -> PartitionSetMeta:
+    """Steps 1-3 of the module docstring, into the (new, empty) directory ``out``; ``shown``
+    is the ``out`` the user asked for, ``presample`` (batches, fanouts, batch size)."""
+    n, e = int(data.num_nodes), data.num_edges
+    presample_batches, presample_fanouts, presample_batch_size = presample
 
     # 1. assignment
     parts = assign_parts(data, num_parts, method, seed)
@@ -354,7 +324,7 @@ def partition_graph(
                 if halo_hops else None)
     infos, part_cut = [], []
     for p in tqdm(
-        range(num_parts), desc=f"write parts to {out}", file=sys.stderr, disable=not progress
+        range(num_parts), desc=f"write parts to {shown}", file=sys.stderr, disable=not progress
     ):
         lo_n, hi_n = int(offsets[p]), int(offsets[p + 1])
         bounds = np.searchsorted(keys, np.arange(lo_n, hi_n + 1, dtype=np.int64) * n, side="left")
@@ -389,9 +359,9 @@ def partition_graph(
         hot = _presample_hotness(keys, n, splits_new["train"], presample_batches,
                                  presample_fanouts, presample_batch_size, seed, progress)
     del keys
-    np.save(out / "orig_to_new.npy", orig_to_new)
+    layout.save_array(out / "orig_to_new.npy", orig_to_new)
     if hot is not None:
-        np.save(out / layout.HOT_RANK_FILE, _rank_within_parts(hot, offsets))
+        layout.save_array(out / layout.HOT_RANK_FILE, _rank_within_parts(hot, offsets))
     t_write = time.perf_counter()
 
     part_edges = np.array([i.num_edges for i in infos], dtype=np.int64)
@@ -429,6 +399,7 @@ def partition_graph(
         halo_hops=int(halo_hops),
         edge_cut=edge_cut,
         seed=int(seed),
+        set_id=layout.new_set_id(),
         stats=stats,
     )
     layout.write_metadata(out, meta)
