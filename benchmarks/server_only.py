@@ -42,6 +42,7 @@ from common.messages import (
 )
 from common.rpc import RpcChannel, expect
 from common.shm_ring import ShmRing, max_input_rows
+from common.sockets import new_token_file
 from deploy.processes import ProcessGroup
 from partition.layout import PartitionSetMeta
 
@@ -89,17 +90,20 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
     ctx = zmq.Context()
     ch: RpcChannel | None = None
     ring: ShmRing | None = None
+    token = ""
     try:
         cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}.sock"] for p in range(meta.num_parts)})
         cluster_file = run_dir / "cluster.yaml"
         cluster.write(cluster_file)
         ready_files = [run_dir / f"ready-{p}" for p in range(meta.num_parts)]
+        token = new_token_file(run_dir / "shutdown.token")
         for p, ep in cluster.all_endpoints():
             argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts_dir),
                     "--part-id", str(p), "--bind", ep, "--ready-file", str(ready_files[p]),
                     "--num-workers", str(server_workers), "--max-queue", str(max(64, inflight)),
                     "--max-message-mb", str(max_message_mb), "--seed", str(seed + p),
-                    "--sampler-procs", str(sampler_procs)]
+                    "--sampler-procs", str(sampler_procs),
+                    "--shutdown-token-file", str(run_dir / "shutdown.token")]
             if meta.num_parts > 1:
                 argv += ["--cluster", str(cluster_file)]
             group.spawn(f"server p{p}", argv)
@@ -187,7 +191,7 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
             ch.close()
         if ring is not None:
             ring.close()
-        result_stop = _stop(ctx, group, endpoints)
+        result_stop = _stop(ctx, group, endpoints, token)
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
     result.update(result_stop)
@@ -196,14 +200,14 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
     return result
 
 
-def _stop(ctx: zmq.Context, group: ProcessGroup, endpoints: list[str],
+def _stop(ctx: zmq.Context, group: ProcessGroup, endpoints: list[str], token: str,
           timeout_s: float = 10.0) -> dict:
     """Send Shutdown to every server, wait for them to exit, escalate if they do not."""
     acked = 0
     for ep in endpoints:
         ch = RpcChannel(ctx, ep, timeout_s=timeout_s, setting="shutdown timeout")
         try:
-            ch.call(Shutdown(), timeout_s=timeout_s)
+            ch.call(Shutdown(token=token), timeout_s=timeout_s)
             acked += 1
         except Exception as e:  # counted below; escalation still stops the process
             print(f"server-only: no Ack to Shutdown from {ep}: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 from common.errors import ConfigError
+from common.limits import MAX_FANOUT, MAX_LAYERS
 
 T = TypeVar("T")
 
@@ -62,6 +63,10 @@ class ServerConfig:
         "page cache holds one copy); 0 samples in --num-workers threads of the server process")
     max_queue: int = opt(64, "sample requests queued per server before it replies 'busy'")
     max_message_mb: int = opt(512, "largest message accepted or sent, in MiB")
+    max_peer_backlog_mb: int = opt(
+        256, "MiB of replies a server holds for one client that is not reading them; "
+        "further replies to it are dropped (STATS replies_dropped) until it reads. A single "
+        "reply larger than this is still sent when nothing else is queued for that client")
     peer_timeout_s: float = opt(
         30.0, "seconds to wait for another server's reply before failing the request"
     )
@@ -73,6 +78,10 @@ class ServerConfig:
         5.0, "a peer that answers no heartbeat for this many seconds is treated as dead: its "
         "connection is dropped (requests in flight to it fail over)")
     ready_file: str = opt("", "write the bound endpoint to this file once serving (launchers)")
+    shutdown_token_file: str = opt(
+        "", "file holding a secret token (16+ characters); a Shutdown message must carry it. "
+        "Without it the server refuses every Shutdown message (stop it with SIGTERM). "
+        "Launchers create one per run")
     curve_secret_key: str = opt(
         "", "CurveZMQ: the servers' secret key file (server.key_secret from mfgserve-keys); "
         "enables authentication and encryption; needs --curve-authorized-keys")
@@ -93,6 +102,9 @@ class ServerConfig:
             raise ConfigError(f"--max-queue must be >= 1, got {self.max_queue}")
         if self.peer_timeout_s <= 0:
             raise ConfigError(f"--peer-timeout-s must be > 0, got {self.peer_timeout_s}")
+        if self.max_peer_backlog_mb < 1:
+            raise ConfigError(f"--max-peer-backlog-mb must be >= 1, got "
+                              f"{self.max_peer_backlog_mb}")
         _check_endpoint(self.bind, "--bind")
         _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)
         if bool(self.curve_secret_key) != bool(self.curve_authorized_keys):
@@ -158,17 +170,13 @@ class TrainerConfig:
     def validate(self) -> None:
         if not self.cluster:
             raise ConfigError("trainer-client needs --cluster FILE.yaml (server endpoints)")
-        if not self.fanouts or any(f == 0 or f < -1 for f in self.fanouts):
-            raise ConfigError(
-                f"--fanouts must be non-empty positive integers or -1, got {self.fanouts}"
-            )
-        if any(f == 0 or f < -1 for f in self.eval_fanouts) or (
-            self.eval_fanouts and len(self.eval_fanouts) != len(self.fanouts)
-        ):
-            raise ConfigError(
-                f"--eval-fanouts must have one entry per layer like --fanouts {self.fanouts}, "
-                f"got {self.eval_fanouts}"
-            )
+        _check_fanouts(self.fanouts, "--fanouts")
+        if self.eval_fanouts:
+            _check_fanouts(self.eval_fanouts, "--eval-fanouts")
+            if len(self.eval_fanouts) != len(self.fanouts):
+                raise ConfigError(
+                    f"--eval-fanouts must have one entry per layer like --fanouts "
+                    f"{self.fanouts}, got {self.eval_fanouts}")
         for name in ("batch_size", "eval_batch_size", "epochs", "hidden", "max_inflight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
@@ -218,6 +226,7 @@ class WorkerModeConfig:
         default_factory=ServerConfig,
         metadata={"help": "server options", "prefix": "server-",
                   "skip": ("parts", "part_id", "bind", "cluster", "ready_file",
+                           "shutdown_token_file",
                            "curve_secret_key", "curve_authorized_keys")},
     )
 
@@ -240,6 +249,14 @@ class WorkerModeConfig:
         # The launcher writes the cluster file itself; check everything else now.
         dataclasses.replace(self.trainer, cluster="<launcher>").validate()
         dataclasses.replace(self.server, parts="<launcher>").validate()
+
+
+def _check_fanouts(fanouts: list[int], flag: str) -> None:
+    if not 1 <= len(fanouts) <= MAX_LAYERS or any(
+            f != -1 and not 1 <= f <= MAX_FANOUT for f in fanouts):
+        raise ConfigError(
+            f"{flag} needs 1..{MAX_LAYERS} comma-separated entries, each -1 (all neighbours) "
+            f"or 1..{MAX_FANOUT} (the most a server accepts), got {fanouts}")
 
 
 def _check_heartbeat(interval: float, timeout: float) -> None:

@@ -30,7 +30,8 @@ class PeerDisconnectedError(MfgServeError, ConnectionError):
 class RemoteError(MfgServeError):
     """A peer answered with an error reply."""
 
-    def __init__(self, peer: str, code: str, message: str):
+    def __init__(self, peer: str, code: str, message: str, rid: int = 0):
         super().__init__(f"{peer} replied with error [{code}]: {message}")
         self.peer = peer
         self.code = code
+        self.rid = rid  # the request it answers

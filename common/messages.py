@@ -16,10 +16,9 @@ import torch
 from torch import Tensor
 
 from common.errors import ProtocolError
+from common.limits import MAX_FANOUT, MAX_LAYERS
 
-PROTOCOL_VERSION = 1
-MAX_LAYERS = 8
-MAX_FANOUT = 100_000
+PROTOCOL_VERSION = 2  # 2: partition-set ids (set_id), Shutdown token
 MAX_ID = 2**62  # node ids, part ids and counts are checked against this bound
 FEAT_TRANSFER_DTYPES = {"": None, "float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}
@@ -83,6 +82,11 @@ def _check_fanouts(fanouts: list[int]) -> None:
           f"each fanout must be -1 or 1..{MAX_FANOUT}, got {fanouts}")
 
 
+def _check_set_id(set_id: str) -> None:
+    _need(len(set_id) <= 64 and all(c in "0123456789abcdef" for c in set_id), "bad_field",
+          "set_id must be empty or a partition set id (hex digits)")
+
+
 @dataclass
 class ErrorReply(Message):
     TYPE = MsgType.ERROR
@@ -110,6 +114,7 @@ class Pong(Message):
     dataset: str
     pid: int
     server_id: str
+    set_id: str  # the partition set's identity (metadata.json), written by partition-ogbn
 
 
 @dataclass
@@ -130,8 +135,10 @@ class SampleRequest(Message):
     shm_token: str = ""
     shm_offset: int = 0
     shm_capacity: int = 0
+    set_id: str = ""  # the partition set the sender expects; "" = not checked
 
     def check(self) -> None:
+        _check_set_id(self.set_id)
         _check_ids(self.seeds, "seeds")
         if self.shm_fd >= 0:
             _need(self.shm_pid > 0 and self.shm_offset > 0 and self.shm_capacity >= 0
@@ -214,8 +221,10 @@ class NeighborsRequest(Message):
     TYPE = MsgType.NEIGHBORS_REQ
     nodes: Tensor
     fanout: int
+    set_id: str = ""
 
     def check(self) -> None:
+        _check_set_id(self.set_id)
         _check_ids(self.nodes, "nodes")
         _check_unique(self.nodes, "nodes")
         _check_fanouts([self.fanout])
@@ -242,8 +251,10 @@ class NodeDataRequest(Message):
     nodes: Tensor
     with_feat: bool = True
     with_label: bool = False
+    set_id: str = ""
 
     def check(self) -> None:
+        _check_set_id(self.set_id)
         _check_ids(self.nodes, "nodes")
 
 
@@ -258,8 +269,10 @@ class NodeDataReply(Message):
 class SeedsRequest(Message):
     TYPE = MsgType.SEEDS_REQ
     split: str
+    set_id: str = ""
 
     def check(self) -> None:
+        _check_set_id(self.set_id)
         _need(self.split in ("train", "valid", "test"), "bad_split",
               f"split must be train, valid or test, got {self.split!r}")
 
@@ -277,8 +290,10 @@ class CacheFillRequest(Message):
     TYPE = MsgType.CACHE_FILL_REQ
     cache_ratio: float
     feat_dtype: str = ""
+    set_id: str = ""
 
     def check(self) -> None:
+        _check_set_id(self.set_id)
         _need(0.0 < self.cache_ratio <= 1.0, "bad_field",
               f"cache_ratio must be in (0, 1], got {self.cache_ratio}")
         _need(self.feat_dtype in FEAT_TRANSFER_DTYPES, "bad_field",
@@ -310,7 +325,11 @@ class StatsReply(Message):
 
 @dataclass
 class Shutdown(Message):
+    """Stop the server. Obeyed only when ``token`` equals the server's shutdown token (from
+    its --shutdown-token-file); a server without one refuses every Shutdown."""
+
     TYPE = MsgType.SHUTDOWN
+    token: str = ""
 
 
 @dataclass

@@ -26,6 +26,30 @@ from common.messages import ErrorReply, Message
 from common.sockets import CurveKeys, Deadline, make_socket
 
 _ids = itertools.count(1)
+_WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CLOSED
+            | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+RECONNECT_GRACE_S = 0.5  # after a drop, how long reconnect attempts are watched to say why
+_FROZEN = ("it accepts connections but answers nothing (no heartbeat, no handshake): the "
+           "server process is frozen (stopped or hung) or overloaded")
+
+
+def _verdict(seen: list[int], dropped: bool) -> str | None:
+    """A diagnosis from the events since the last disconnect, or None if not yet clear."""
+    if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen or zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL in seen:
+        return ("it refused this client's handshake (with CurveZMQ: check that this client's "
+                "key is authorized and the cluster file's curve_server_key)")
+    if zmq.EVENT_HANDSHAKE_SUCCEEDED in seen:
+        return ("a server answers there again: it restarted" if dropped else
+                "it is connected (heartbeats answered, if on) but sent no reply: the server "
+                "is busy or its sampling is stuck")
+    # a connection attempt closed before it connected: refused (a reconnect after a drop
+    # also starts with CONNECT_RETRIED, so that event alone says nothing)
+    if zmq.EVENT_CLOSED in seen and zmq.EVENT_CONNECTED not in seen:
+        return ("connection refused, nothing listens there any more: the server process "
+                "died or was stopped")
+    return None
 
 
 class RpcChannel:
@@ -42,8 +66,7 @@ class RpcChannel:
         self.sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, hwm=hwm,
                                 max_message_bytes=max_message_bytes, curve=curve,
                                 heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
-        self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.monitor = self.sock.get_monitor_socket(_WATCHED)
         self.pending: set[int] = set()
         self.lost: set[int] = set()
         # No disconnect since the last completed handshake. A frozen server still accepts
@@ -53,11 +76,13 @@ class RpcChannel:
         self.disconnects = 0
         self.last_disconnect = 0.0
         self.bytes_received = 0
+        self.seen: list[int] = []  # connection events since the last disconnect (diagnosis)
 
     def poll_events(self) -> None:
         """Apply connection events seen so far (never blocks)."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
+            self.seen = [] if event == zmq.EVENT_DISCONNECTED else self.seen[-15:] + [event]
             if event == zmq.EVENT_DISCONNECTED:
                 self.up = False
                 self.disconnects += 1
@@ -98,18 +123,16 @@ class RpcChannel:
         while True:
             self.poll_events()
             if self.lost:
-                lost = len(self.lost)
                 raise PeerDisconnectedError(
-                    f"server {self.endpoint} closed the connection with {lost} request(s) "
-                    f"unanswered while we waited for {waiting_for}: the server process died "
-                    "or restarted, or it refused this client (with CurveZMQ: check that this "
-                    "client's key is authorized and the cluster file's curve_server_key)")
+                    f"the connection to server {self.endpoint} dropped with {len(self.lost)} "
+                    f"request(s) unanswered while we waited for {waiting_for}: "
+                    f"{self.diagnose(RECONNECT_GRACE_S, dropped=True)}")
             events = dict(poller.poll(int(deadline.left() * 1000)))
             if not events:
                 raise PeerTimeoutError(
                     f"no reply from server {self.endpoint} within {limit:.1f}s while waiting "
-                    f"for {waiting_for}; check that the server is running and reachable, "
-                    f"or raise {self.setting}")
+                    f"for {waiting_for}: {self.diagnose(0.0, dropped=False)}; raise "
+                    f"{self.setting} if it is only slow")
             if self.sock not in events:
                 continue
             frames = self.sock.recv_multipart(copy=False)
@@ -122,8 +145,26 @@ class RpcChannel:
                 continue  # answer to a request we gave up on
             self.pending.discard(rid)
             if isinstance(msg, ErrorReply):
-                raise RemoteError(self.endpoint, msg.code, msg.message)
+                raise RemoteError(self.endpoint, msg.code, msg.message, rid)
             return msg, rid
+
+    def diagnose(self, grace_s: float, dropped: bool) -> str:
+        """What the connection's events say about the server, watching libzmq's reconnect
+        attempts for up to ``grace_s``: refused (nothing listens: the process died or was
+        stopped), connected but silent (frozen), no answer at all (unreachable), or a
+        handshake refused (CurveZMQ keys)."""
+        deadline = Deadline(grace_s)
+        while True:
+            self.poll_events()
+            verdict = _verdict(self.seen, dropped)
+            if verdict is not None or deadline.left() <= 0:
+                break
+            self.monitor.poll(int(min(deadline.left(), 0.05) * 1000) + 1)
+        if verdict is None:
+            verdict = (_FROZEN if zmq.EVENT_CONNECTED in self.seen else
+                       "it does not answer connection attempts: the host is unreachable or "
+                       "down, or a firewall drops the packets")
+        return verdict
 
     def forget(self, rids: set[int]) -> None:
         """Stop expecting replies to ``rids`` (their requests were re-sent elsewhere)."""

@@ -3,6 +3,8 @@ outside the server/client process wrappers. It knows nothing of graphs."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +117,30 @@ def recv_frames(sock: zmq.Socket, timeout_s: float, *, peer: str, waiting_for: s
             f"check that it is running and reachable, or raise {setting}"
         )
     return sock.recv_multipart(copy=False)
+
+
+def new_token_file(path: str | Path) -> str:
+    """Write a fresh random token to ``path`` (mode 0600) and return it: the secret a
+    launcher shares with the servers it starts (e.g. to let it send them Shutdown)."""
+    token = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+def read_token(path: str) -> str:
+    """The token in ``path`` ("" for no path); errors name the file and the option."""
+    if not path:
+        return ""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read --shutdown-token-file {path}: {e}") from e
+    if len(token) < 16:
+        raise ConfigError(f"--shutdown-token-file {path} must hold a token of at least 16 "
+                          "characters")
+    return token
 
 
 class Deadline:

@@ -41,15 +41,19 @@ def raise_on_signals() -> None:
 
 
 def server_argv(s: ServerConfig, parts: str, part: int, endpoint: str,
-                cluster_file: Path) -> list[str]:
-    """The ``sampler-server`` command line for one part, carrying ``s``'s tunables."""
+                cluster_file: Path, token_file: str = "") -> list[str]:
+    """The ``sampler-server`` command line for one part, carrying ``s``'s tunables;
+    ``token_file`` (see :func:`common.sockets.new_token_file`) lets the launcher stop it."""
     argv = [sys.executable, "-m", "sampler_server.main", "--parts", parts, "--part-id",
             str(part), "--bind", endpoint, "--cluster", str(cluster_file),
             "--num-workers", str(s.num_workers), "--max-queue", str(s.max_queue),
-            "--max-message-mb", str(s.max_message_mb), "--peer-timeout-s",
+            "--max-message-mb", str(s.max_message_mb),
+            "--max-peer-backlog-mb", str(s.max_peer_backlog_mb), "--peer-timeout-s",
             str(s.peer_timeout_s), "--seed", str(s.seed + part),
             "--heartbeat-s", str(s.heartbeat_s), "--heartbeat-timeout-s",
             str(s.heartbeat_timeout_s)]
+    if token_file:
+        argv += ["--shutdown-token-file", token_file]
     if s.curve_secret_key:
         argv += ["--curve-secret-key", s.curve_secret_key,
                  "--curve-authorized-keys", s.curve_authorized_keys]
@@ -87,13 +91,14 @@ def wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s:
         ctx.term()
 
 
-def shutdown_servers(endpoints: list[tuple[str, str]]) -> None:
+def shutdown_servers(endpoints: list[tuple[str, str]], token: str = "") -> None:
+    """Ask every server to stop (the launcher's token proves the request is its own)."""
     ctx = zmq.Context()
     try:
         chans = [RpcChannel(ctx, ep, timeout_s=2.0, setting="--shutdown-timeout-s")
                  for _, ep in endpoints]
         for ch in chans:
-            ch.send(Shutdown())
+            ch.send(Shutdown(token=token))
         for ch in chans:
             try:
                 ch.recv(timeout_s=2.0)

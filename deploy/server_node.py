@@ -16,14 +16,18 @@ kill). Children die with the launcher (PDEATHSIG).
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from common.cluster import ClusterSpec
 from common.config import ServerConfig, add_config_args, load_config
 from common.errors import MfgServeError
+from common.jsonout import dumps_strict
+from common.sockets import new_token_file
 from deploy.processes import ProcessGroup, free_tcp_port
 from deploy.server_group import (
     Interrupted,
@@ -35,7 +39,7 @@ from deploy.server_group import (
 )
 from partition.layout import PartitionFormatError, PartitionSetMeta
 
-SKIP = ("part_id", "bind", "cluster", "ready_file")
+SKIP = ("part_id", "bind", "cluster", "ready_file", "shutdown_token_file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,11 +94,14 @@ def run(args: argparse.Namespace, cfg: ServerConfig) -> int:
     cluster, cluster_file, mine = plan(args, meta.num_parts)
     group = ProcessGroup()
     servers = [(f"server p{p} {ep}", ep) for p, ep in mine]
+    secret_dir = tempfile.mkdtemp(prefix="mfgserve-node-")  # 0700: the shutdown token
+    token_file = os.path.join(secret_dir, "shutdown.token")
+    token = new_token_file(token_file)
     try:
         for (p, ep), (name, _) in zip(mine, servers):
-            group.spawn(name, server_argv(cfg, cfg.parts, p, ep, cluster_file))
+            group.spawn(name, server_argv(cfg, cfg.parts, p, ep, cluster_file, token_file))
         wait_ready(group, servers, args.startup_timeout_s)
-        print(json.dumps({"event": "ready", "cluster": str(cluster_file),
+        print(dumps_strict({"event": "ready", "cluster": str(cluster_file),
                           "servers": [ep for _, ep in mine]}), flush=True)
         while True:
             for c in group.children:
@@ -104,7 +111,9 @@ def run(args: argparse.Namespace, cfg: ServerConfig) -> int:
                                       f"last output:\n{c.last_lines()}")
             time.sleep(0.2)
     finally:
-        group.teardown(args.shutdown_timeout_s, polite=lambda: shutdown_servers(servers))
+        group.teardown(args.shutdown_timeout_s,
+                       polite=lambda: shutdown_servers(servers, token))
+        shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

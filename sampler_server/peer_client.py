@@ -21,8 +21,9 @@ from common.sockets import CurveKeys
 class WirePeers:
     def __init__(self, ctx: zmq.Context, cluster: ClusterSpec, own_part: int, timeout_s: float,
                  max_message_bytes: int, curve: CurveKeys | None = None,
-                 heartbeat: tuple[float, float] = (0.0, 0.0)):
+                 heartbeat: tuple[float, float] = (0.0, 0.0), set_id: str = ""):
         self.curve = curve
+        self.set_id = set_id  # every request names this server's partition set
         self.heartbeat = heartbeat
         self.ctx = ctx
         self.cluster = cluster
@@ -100,14 +101,16 @@ class WirePeers:
     def sample_neighbors(self, requests: dict[int, Tensor], fanout: int
                          ) -> dict[int, tuple[Tensor, Tensor]]:
         replies = self._scatter_gather(
-            {p: NeighborsRequest(nodes=n, fanout=fanout) for p, n in requests.items()},
+            {p: NeighborsRequest(nodes=n, fanout=fanout, set_id=self.set_id)
+             for p, n in requests.items()},
             NeighborsReply)
         return {p: (r.counts, r.src) for p, r in replies.items()}
 
     def gather(self, requests: dict[int, Tensor], with_feat: bool, with_label: bool
                ) -> dict[int, tuple[Tensor, Tensor]]:
         replies = self._scatter_gather(
-            {p: NodeDataRequest(nodes=n, with_feat=with_feat, with_label=with_label)
+            {p: NodeDataRequest(nodes=n, with_feat=with_feat, with_label=with_label,
+                                set_id=self.set_id)
              for p, n in requests.items()}, NodeDataReply)
         return {p: (r.feat, r.label) for p, r in replies.items()}
 

@@ -26,6 +26,7 @@ pss, uss from psutil).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
@@ -48,7 +49,7 @@ import zmq
 from common import codec
 from common.cluster import ClusterSpec
 from common.config import ServerConfig
-from common.errors import MfgServeError, ProtocolError
+from common.errors import ConfigError, MfgServeError, ProtocolError
 from common.lifetime import die_with_parent
 from common.messages import (
     FEAT_TRANSFER_DTYPES,
@@ -70,8 +71,9 @@ from common.messages import (
     StatsReply,
     StatsRequest,
 )
-from common.sockets import CurveKeys, bound_endpoint, make_socket
+from common.sockets import CurveKeys, bound_endpoint, make_socket, read_token
 from partition.layout import load_hot_rank
+from sampler_server.backlog import PeerBacklog
 from sampler_server.partition_store import PartitionStore
 from sampler_server.sample_worker import STAT_KEYS, SampleWorker, hot_rank_or_error, peer_keys
 from sampler_server.sampler_proc import T_IN, worker_argv
@@ -106,6 +108,12 @@ class SamplerServer:
         self.store = PartitionStore(cfg.parts, cfg.part_id, seed=cfg.seed)
         self.hot_rank = load_hot_rank(cfg.parts)
         self.cluster = ClusterSpec.load(cfg.cluster) if cfg.cluster else None
+        if self.cluster is None and self.store.meta.num_parts > 1:
+            raise ConfigError(
+                f"partition set {cfg.parts} has {self.store.meta.num_parts} parts, so this "
+                "server must reach the other parts' servers to sample across part boundaries: "
+                "pass --cluster FILE.yaml listing every part's server endpoints")
+        self.shutdown_token = read_token(cfg.shutdown_token_file)
         if self.cluster and self.cluster.num_parts != self.store.meta.num_parts:
             raise MfgServeError(
                 f"cluster file {cfg.cluster} lists {self.cluster.num_parts} parts but the "
@@ -131,6 +139,7 @@ class SamplerServer:
                                     heartbeat_s=cfg.heartbeat_s,
                                     heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.backlog = PeerBacklog(cfg.max_peer_backlog_mb << 20)
         self.endpoint = bound_endpoint(self.frontend)
         self.results_ep = f"inproc://results-{self.server_id}"
         self.results = make_socket(self.ctx, zmq.PULL, self.results_ep, bind=True, hwm=0)
@@ -235,7 +244,7 @@ class SamplerServer:
                 frames = self.results.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.frontend.send_multipart(frames, copy=False)
+            self._send(frames[0], frames[1:])
 
     def _drain_backend(self) -> None:
         """Replies from sampler processes: add their stats, forward, hand out more jobs."""
@@ -248,7 +257,7 @@ class SamplerServer:
             wid, kind = frames[0].bytes, frames[1].bytes
             if kind == b"R":
                 self._add_stats(msgpack.unpackb(frames[2].bytes))
-                self.frontend.send_multipart(frames[3:], copy=False)
+                self._send(frames[3], frames[4:])
             self.idle.append(wid)
         self._pump_jobs()
 
@@ -265,10 +274,14 @@ class SamplerServer:
                 if k in STAT_KEYS:
                     self.stats[k] += v
 
+    def _send(self, ident: Any, frames: list) -> None:
+        """Every reply leaves through here: bounded per peer (sampler_server/backlog.py)."""
+        self.backlog.send(self.frontend, ident, frames)
+
     def _reply(self, ident: Any, msg: Message, rid: int) -> None:
         frames = codec.encode(msg, rid)
         self.stats["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
-        self.frontend.send_multipart([ident, *frames], copy=False)
+        self._send(ident, frames)
 
     def _error(self, ident: Any, rid: int, code: str, message: str) -> None:
         with self.stats_lock:
@@ -293,8 +306,20 @@ class SamplerServer:
             log.exception("part %d: internal error", self.cfg.part_id)
             self._error(ident, rid, "internal", f"{type(e).__name__}: {e}")
 
+    def _check_set(self, msg: Message) -> None:
+        """A request naming another partition set would get answers from the wrong graph."""
+        want, own = getattr(msg, "set_id", ""), self.store.meta.set_id
+        if want and want != own:
+            raise ProtocolError(
+                "wrong_partition_set",
+                f"part {self.cfg.part_id} at {self.endpoint} serves partition set {own} "
+                f"({self.cfg.parts}), but the request is for partition set {want}: servers "
+                "of different partitionings are mixed; start every server of the cluster "
+                "on the same partition-ogbn output")
+
     def _dispatch(self, ident: Any, msg: Message, rid: int, body: list) -> None:
         store = self.store
+        self._check_set(msg)
         if isinstance(msg, SampleRequest):
             n, top = store.meta.num_nodes, int(msg.seeds.max())  # check() ensured non-empty
             if top >= n:
@@ -326,7 +351,7 @@ class SamplerServer:
                 part_id=self.cfg.part_id, num_parts=m.num_parts, num_nodes=m.num_nodes,
                 feat_dim=m.feat_dim, num_classes=m.num_classes, node_offsets=m.node_offsets,
                 feat_dtype=str(store.feat.dtype).replace("torch.", ""), dataset=m.dataset,
-                pid=os.getpid(), server_id=self.server_id), rid)
+                pid=os.getpid(), server_id=self.server_id, set_id=m.set_id), rid)
         elif isinstance(msg, CacheFillRequest):
             self._reply(ident, self._cache_fill(msg), rid)
         elif isinstance(msg, SeedsRequest):
@@ -337,8 +362,17 @@ class SamplerServer:
             values["queue_len"] = self.jobs.qsize() + len(self.pending) + (
                 len(self.procs) - len(self.idle) if self.procs else 0)
             values.update(process_memory())
+            values["replies_dropped"] = float(self.backlog.dropped)
+            values["backlog_bytes"] = float(self.backlog.queued_bytes())
             self._reply(ident, StatsReply(values=values), rid)
         elif isinstance(msg, Shutdown):
+            if not self.shutdown_token or not hmac.compare_digest(
+                    msg.token.encode(), self.shutdown_token.encode()):
+                raise ProtocolError(
+                    "forbidden", "Shutdown refused: it needs the token of this server's "
+                    "--shutdown-token-file" if self.shutdown_token else "Shutdown refused: "
+                    "this server was started without --shutdown-token-file; stop it with "
+                    "SIGTERM")
             self._reply(ident, Ack(), rid)
             self.stop_event.set()
         else:

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
+from common.sockets import new_token_file  # noqa: E402
 
 DDP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
            "GROUP_RANK", "TORCHELASTIC_RUN_ID")
@@ -64,9 +66,11 @@ class ServerProcess:
         self.endpoint = endpoint
         self.ready = workdir / f"ready-{part_id}-{id(self)}"
         self.log = workdir / f"server-{part_id}-{id(self)}.log"
+        token_file = workdir / f"token-{part_id}-{id(self)}"
+        self.token = new_token_file(token_file)  # Shutdown(token=server.token) stops it
         argv = [*(prefix or []), sys.executable, "-m", "sampler_server.main", "--parts", str(parts),
                 "--part-id", str(part_id), "--bind", endpoint, "--ready-file", str(self.ready),
-                *extra]
+                "--shutdown-token-file", str(token_file), *extra]
         if cluster is not None:
             argv += ["--cluster", str(cluster)]
         self.checked = False  # set once stop_and_check ran (the fixture skips it then)

@@ -82,7 +82,8 @@ def examples() -> dict[MsgType, Message]:
         MsgType.PING: Ping(),
         MsgType.PONG: Pong(part_id=1, num_parts=2, num_nodes=3000, feat_dim=16, num_classes=5,
                            node_offsets=[0, 1500, 3000], feat_dtype="float32",
-                           dataset="synthetic-3000", pid=4242, server_id="abcd1234"),
+                           dataset="synthetic-3000", pid=4242, server_id="abcd1234",
+                           set_id="0123456789abcdef0123456789abcdef"),
         MsgType.SAMPLE: SampleRequest(seeds=torch.tensor([5, 1, 9], dtype=torch.int64),
                                       fanouts=[10, -1], with_feat=False, with_label=True),
         MsgType.MFG: chain_mfg(2),
@@ -381,7 +382,7 @@ def test_header_too_large():
     assert error_code(frames) == "bad_header"
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("version", [0, 1, 3, 99, "2", None])
 def test_wrong_protocol_version(version):
     with pytest.raises(ProtocolError) as info:
         codec.decode(with_header(wire(Ping()), v=version))

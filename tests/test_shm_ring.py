@@ -207,7 +207,7 @@ def test_ring_off_only_for_the_server_that_cannot_use_it(server_factory, synth_p
         # the near server kept using the ring; after its first refusal the far one got
         # no slot again, so about half the batches (round robin) arrived in the ring
         assert n // 2 - 1 <= loader.stats.ring_hits <= n - n // 2 + 1, (n, loader.stats)
-        pool.channels[cluster.partitions[0][1]].call(Shutdown())
+        pool.channels[cluster.partitions[0][1]].call(Shutdown(token=far.token))
     finally:
         pool.close()
     far.proc.wait(timeout=20)

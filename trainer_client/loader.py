@@ -29,6 +29,7 @@ from common.messages import MFGReply, SampleRequest
 from common.mfg import MFG
 from common.rpc import expect
 from common.shm_ring import ShmRing
+from common.sockets import Deadline
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.server_pool import Handle, ServerPool
 
@@ -254,16 +255,17 @@ class DistNodeDataLoader:
             self._abandon(inflight)
 
     def _abandon(self, inflight: deque) -> None:
-        """Requests still in flight when iteration stops early: their slots may yet be
-        written, so wait for their replies (briefly) or never reuse those slots."""
+        """Requests still in flight when iteration stops early (a break, or an error). A
+        ring slot may still be written until its server answers, so wait for those servers
+        (bounded by one request deadline in all, never failing over) and reuse a slot only
+        when its server is done with it; the others are never reused."""
+        deadline = Deadline(self.pool.timeout_s)
         for handle, slot in inflight:
             if slot is None or self.ring is None:
+                self.pool.cancel(handle)
                 continue
-            try:
-                reply = self.pool.wait(handle)
-                if isinstance(reply, MFGReply) and handle.attempts == 1:
-                    self.ring.release(slot)
-                    continue
-            except Exception:
-                pass
-            self.ring.poison(slot)
+            done = self.pool.settle(handle, deadline)
+            if done and handle.attempts == 1:
+                self.ring.release(slot)
+            else:
+                self.ring.poison(slot)

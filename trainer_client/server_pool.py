@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from common.cluster import ClusterSpec
-from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError
+from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError, RemoteError
 from common.messages import (
     Message,
     Ping,
@@ -35,7 +35,7 @@ from common.messages import (
     StatsRequest,
 )
 from common.rpc import RpcChannel, expect
-from common.sockets import CurveKeys
+from common.sockets import CurveKeys, Deadline
 
 log = logging.getLogger("mfgserve.trainer")
 SUSPECT_S = 30.0  # a server that missed a deadline is avoided this long while others are up
@@ -51,6 +51,7 @@ class Handle:
     rid: int
     sent_at: float
     attempts: int = 1
+    error: Exception | None = None  # why it will never be answered (wait() raises it)
 
 
 class NoServerError(MfgServeError):
@@ -75,6 +76,7 @@ class ServerPool:
         self._inflight: dict[tuple[str, int], Handle] = {}
         self.bytes_received = 0
         self.failovers = 0
+        self.set_id = ""  # the servers' partition set, once info() checked they agree
 
     # ------------------------------------------------------------------ setup calls
     def info(self) -> Pong:
@@ -86,8 +88,14 @@ class ServerPool:
                 raise MfgServeError(f"{ep} serves part {pong.part_id}, but the cluster file "
                                     f"lists it under part {part}; fix the cluster file")
             pongs[ep] = pong
-        first = next(iter(pongs.values()))
+        first_ep, first = next(iter(pongs.items()))
         for ep, pong in pongs.items():
+            if pong.set_id != first.set_id:
+                raise MfgServeError(
+                    f"servers of different partition sets are mixed: {first_ep} (part "
+                    f"{first.part_id}) serves partition set {first.set_id} but {ep} (part "
+                    f"{pong.part_id}) serves partition set {pong.set_id}; start every server "
+                    "of the cluster on the same partition-ogbn output")
             if (pong.num_parts, pong.num_nodes, pong.dataset) != (
                     first.num_parts, first.num_nodes, first.dataset):
                 raise MfgServeError(f"{ep} serves a different partition set ({pong.dataset}, "
@@ -95,6 +103,7 @@ class ServerPool:
         if first.num_parts != self.cluster.num_parts:
             raise MfgServeError(f"servers hold {first.num_parts} parts but the cluster file "
                                 f"lists {self.cluster.num_parts}; fix the cluster file")
+        self.set_id = first.set_id
         return first
 
     def seeds(self, split: str) -> torch.Tensor:
@@ -124,6 +133,8 @@ class ServerPool:
         to the replica chosen (e.g. offer a shared-memory slot only to servers that can use
         it)."""
         ch = self._pick(part) or self.channels[next(self._rr[part])]  # all down: try anyway
+        if self.set_id and hasattr(msg, "set_id"):
+            msg = dataclasses.replace(msg, set_id=self.set_id)  # type: ignore[type-var]
         if before_send is not None:
             before_send(ch.endpoint, msg)
         handle = Handle(part, msg, ch, ch.send(msg), time.perf_counter())
@@ -131,27 +142,37 @@ class ServerPool:
         return handle
 
     def _failover_channel(self, ch: RpcChannel, error: Exception) -> None:
-        """Re-send every request in flight on ``ch`` to another replica of its part."""
+        """Re-send every request in flight on ``ch`` to another replica of its part; a request
+        that cannot be re-sent fails (its handle keeps the error, :meth:`wait` raises it)."""
         victims = [h for (ep, _), h in list(self._inflight.items()) if ep == ch.endpoint]
         for handle in victims:
             self._failover(handle, error)
         ch.forget(set(ch.lost) | set(ch.pending))
 
+    def _fail(self, handle: Handle, error: Exception) -> None:
+        """``handle`` will never be answered: stop tracking it and keep the reason."""
+        handle.channel.forget({handle.rid})
+        self._inflight.pop((handle.channel.endpoint, handle.rid), None)
+        self._buffered.pop((handle.channel.endpoint, handle.rid), None)
+        handle.error = error
+
     def _failover(self, handle: Handle, error: Exception) -> None:
         old = handle.channel
-        old.forget({handle.rid})
-        self._inflight.pop((old.endpoint, handle.rid), None)
+        self._fail(handle, error)
         replicas = len(self.cluster.partitions[handle.part])
         target = self._pick(handle.part, avoid=old)
         if target is None or handle.attempts > replicas:
-            raise NoServerError(
+            handle.error = NoServerError(
                 f"part {handle.part} has no server left to answer: {error}. "
                 f"{'No other replica is up' if replicas > 1 else 'It has no replica'} "
                 f"(cluster file lists {replicas} for it); restart the server(s) of part "
-                f"{handle.part} or add replicas to the cluster file") from error
+                f"{handle.part} or add replicas to the cluster file")
+            handle.error.__cause__ = error
+            return
         log.warning("re-sending %s for part %d from %s to %s: %s", handle.msg.TYPE.name,
                     handle.part, old.endpoint, target.endpoint, error)
         self.failovers += 1
+        handle.error = None
         if isinstance(handle.msg, SampleRequest) and handle.msg.shm_fd >= 0:
             # The old server may still write into the offered ring slot: the new one gets none.
             handle.msg = dataclasses.replace(handle.msg, shm_fd=-1)
@@ -159,21 +180,76 @@ class ServerPool:
         handle.attempts += 1
         self._inflight[(target.endpoint, handle.rid)] = handle
 
+    def _receive(self, ch: RpcChannel, waiting_for: str, timeout_s: float | None = None) -> None:
+        """Receive one reply on ``ch`` into the buffer; an error reply fails its own handle
+        (which may not be the one awaited)."""
+        try:
+            reply, rid = ch.recv(timeout_s, waiting_for=waiting_for)
+        except RemoteError as e:
+            victim = self._inflight.get((ch.endpoint, e.rid))
+            if victim is not None:
+                self._fail(victim, e)
+            return
+        if (ch.endpoint, rid) in self._inflight:
+            self._buffered[(ch.endpoint, rid)] = reply
+
+    def _take(self, handle: Handle) -> Message | None:
+        """The reply to ``handle`` if it arrived; raises its error if it failed."""
+        if handle.error is not None:
+            raise handle.error
+        key = (handle.channel.endpoint, handle.rid)
+        if key in self._buffered:
+            self._inflight.pop(key, None)
+            return self._buffered.pop(key)
+        if key not in self._inflight:
+            raise MfgServeError(f"request {handle.rid} to {handle.channel.endpoint} is no "
+                                "longer in flight (it was cancelled)")
+        return None
+
     def wait(self, handle: Handle) -> Message:
-        """The reply to ``handle``, failing over to replicas as needed (see module doc)."""
+        """The reply to ``handle``, failing over to replicas as needed (see module doc).
+        Every call ends: with the reply, or with the error that ended the request."""
         while True:
-            key = (handle.channel.endpoint, handle.rid)
-            if key in self._buffered:
-                self._inflight.pop(key, None)
-                return self._buffered.pop(key)
+            reply = self._take(handle)
+            if reply is not None:
+                return reply
             ch = handle.channel
             try:
-                reply, rid = ch.recv(waiting_for=f"the reply to {handle.msg.TYPE.name}")
-                self._buffered[(ch.endpoint, rid)] = reply
+                self._receive(ch, f"the reply to {handle.msg.TYPE.name} for part {handle.part}")
             except (PeerDisconnectedError, PeerTimeoutError) as e:
                 if isinstance(e, PeerTimeoutError):
                     ch.mark_suspect(SUSPECT_S)
                 self._failover_channel(ch, e)
+
+    def settle(self, handle: Handle, deadline: Deadline) -> bool:
+        """Wait (until ``deadline``, never failing over) for the server ``handle`` was last
+        sent to to finish with it. True when it answered (a reply or an error reply); False
+        when it did not, or will not: the request is then cancelled."""
+        while True:
+            try:
+                if self._take(handle) is not None:
+                    return True
+            except RemoteError:
+                return True
+            except MfgServeError:
+                return False
+            ch = handle.channel
+            try:
+                self._receive(ch, "a reply to an abandoned request", deadline.left())
+            except PeerTimeoutError:
+                self.cancel(handle)
+                return False
+            except PeerDisconnectedError as e:
+                for h in [h for (ep, rid), h in list(self._inflight.items())
+                          if ep == ch.endpoint and rid in ch.lost]:
+                    self._fail(h, e)
+                ch.forget(set(ch.lost))
+                return False
+
+    def cancel(self, handle: Handle) -> None:
+        """Forget ``handle``: a late reply to it is dropped."""
+        if handle.error is None:
+            self._fail(handle, MfgServeError("cancelled"))
 
     def close(self) -> None:
         if self.ctx.closed:

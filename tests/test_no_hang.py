@@ -1,0 +1,171 @@
+"""No hang on the default path (issue 9, defects 1 and 2): a same-host trainer with the
+shared-memory ring on (the default) whose part loses its only server stops promptly with an
+error naming the part and the endpoint; an error reply costs no extra deadline with the ring
+on; fanouts a server would refuse are refused by the CLI up front."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from procs import REPO, clean_env, free_ports, tail
+
+from common.cluster import ClusterSpec
+from common.errors import RemoteError
+from common.messages import StatsReply, StatsRequest
+from common.rpc import RpcChannel, expect
+from common.shm_ring import ShmRing
+from trainer_client.loader import DistNodeDataLoader
+from trainer_client.server_pool import ServerPool
+
+pytestmark = pytest.mark.timeout(240)
+
+HEARTBEAT_TIMEOUT_S = 5.0  # the trainer's default --heartbeat-timeout-s
+SLACK_S = 8.0  # detection after the heartbeat timeout, teardown, interpreter exit
+
+
+def _tcp_servers(server_factory, parts: Path, tmp_path: Path):
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    cluster = tmp_path / "cluster.yaml"
+    ClusterSpec({p: [ep] for p, ep in enumerate(endpoints)}).write(cluster)
+    servers = [server_factory(parts, p, cluster=cluster, endpoint=ep,
+                              extra=["--peer-timeout-s", "3"])
+               for p, ep in enumerate(endpoints)]
+    return cluster, servers
+
+
+def _sample_requests(endpoint: str) -> float:
+    ctx = zmq.Context()
+    try:
+        ch = RpcChannel(ctx, endpoint, timeout_s=10, setting="the test's timeout")
+        try:
+            return expect(ch.call(StatsRequest()), StatsReply, endpoint).values["sample_requests"]
+        finally:
+            ch.close()
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_part_losing_its_only_server_stops_trainer_with_ring_on(how, server_factory,
+                                                                 synth_parts2, tmp_path):
+    cluster, servers = _tcp_servers(server_factory, synth_parts2, tmp_path)
+    victim = servers[0]
+    err = tmp_path / "trainer.err"
+    argv = [sys.executable, "-m", "deploy.trainer_cli", "--cluster", str(cluster),
+            "--fanouts", "10,10", "--batch-size", "4", "--epochs", "10", "--no-progress",
+            "--num-threads", "1", "--request-timeout-s", "60"]  # ring on: the default
+    with open(err, "w") as fe:
+        trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=fe, cwd=REPO,
+                                   env=clean_env(), stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while _sample_requests(victim.endpoint) < 20:
+            assert trainer.poll() is None, f"trainer exited early:\n{tail(err)}"
+            assert time.monotonic() < deadline, f"no training within 90 s:\n{tail(err)}"
+            time.sleep(0.2)
+        os.kill(victim.proc.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            code = trainer.wait(timeout=HEARTBEAT_TIMEOUT_S + SLACK_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"trainer still running {HEARTBEAT_TIMEOUT_S + SLACK_S:.0f}s "
+                                 f"after its part 0 server got {how}:\n{tail(err)}") from None
+        elapsed = time.monotonic() - t0
+        text = err.read_text()
+        assert code not in (0, None), text[-3000:]
+        assert "part 0" in text and victim.endpoint in text, text[-3000:]
+        # says which it was: refused (the process is gone) or frozen (no heartbeat)
+        assert ("died or was stopped" if how == "sigkill" else "frozen") in text, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert elapsed < HEARTBEAT_TIMEOUT_S + SLACK_S
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(timeout=10)
+        if how == "sigstop":
+            os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        victim.stop_and_check(expect_code=None)
+        servers[1].stop_and_check()  # the other part's server kept serving and stops cleanly
+
+
+def _fail_with_error_reply(pool: ServerPool, seeds: torch.Tensor, offsets, ring) -> float:
+    """Iterate a loader whose requests every server refuses; seconds until it raises."""
+    loader = DistNodeDataLoader(pool, seeds, offsets, fanouts=[1_000_000_000], batch_size=16,
+                                shuffle=False, ring=ring, max_inflight=4)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="fanout"):
+        for _ in loader:
+            pass
+    return time.monotonic() - t0
+
+
+def test_error_reply_costs_no_deadline_with_ring_on(server_factory, synth_parts2, tmp_path):
+    from tests.test_mfg_oracle import start_cluster
+
+    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
+    timeout_s = 30.0
+    pool = ServerPool(cluster, timeout_s=timeout_s, max_message_bytes=64 << 20)
+    ring = ShmRing(6, 1 << 20)
+    try:
+        info = pool.info()
+        seeds = pool.seeds("train")[:200]
+        without = _fail_with_error_reply(pool, seeds, info.node_offsets, None)
+        with_ring = _fail_with_error_reply(pool, seeds, info.node_offsets, ring)
+        # both end as soon as the error replies are in: far below one request deadline
+        assert without < 5 and with_ring < 5, (without, with_ring)
+        assert not ring.in_use, "slots of requests the servers answered were not returned"
+        assert not pool._inflight and not pool._buffered
+    finally:
+        ring.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("flag", ["--fanouts", "--eval-fanouts"])
+def test_cli_refuses_fanouts_servers_would_refuse(flag, tmp_path):
+    value = "1000000000" if flag == "--fanouts" else "10,1000000000"
+    extra = ["--fanouts", "10,10"] if flag == "--eval-fanouts" else []
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "deploy.worker_mode", *extra, flag, value,
+                           "--epochs", "1", "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env=clean_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert flag in proc.stderr and "100000" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30
+    assert not any(tmp_path.iterdir()), "a refused run must not start work"
+
+
+def test_dead_peer_errors_say_what_happened(tmp_path):
+    """The connection events decide the wording: refused (nothing listens), frozen (accepts,
+    never answers), restarted, or a refused handshake."""
+    from common.rpc import _verdict
+
+    E = zmq
+    assert "died or was stopped" in _verdict([E.EVENT_CONNECT_RETRIED, E.EVENT_CONNECT_DELAYED,
+                                               E.EVENT_CLOSED], dropped=True)
+    assert _verdict([E.EVENT_CONNECT_RETRIED, E.EVENT_CONNECT_DELAYED, E.EVENT_CONNECTED],
+                    dropped=True) is None  # not yet clear: diagnose() waits, then says frozen
+    assert "restarted" in _verdict([E.EVENT_CONNECTED, E.EVENT_HANDSHAKE_SUCCEEDED], True)
+    assert "busy" in _verdict([E.EVENT_CONNECTED, E.EVENT_HANDSHAKE_SUCCEEDED], False)
+    assert "CurveZMQ" in _verdict([E.EVENT_CONNECTED, E.EVENT_HANDSHAKE_FAILED_AUTH], True)
+    # a real channel to a port nothing listens on: refused, within the deadline
+    (port,) = free_ports(1)
+    ctx = zmq.Context()
+    ch = RpcChannel(ctx, f"tcp://127.0.0.1:{port}", timeout_s=1.0, setting="--x")
+    try:
+        ch.send(StatsRequest())
+        with pytest.raises(TimeoutError, match="nothing listens"):
+            ch.recv()
+    finally:
+        ch.close()
+        ctx.term()
