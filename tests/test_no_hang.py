@@ -1,7 +1,7 @@
 """No hang on the default path (issue 9, defects 1 and 2): a same-host trainer with the
 shared-memory ring on (the default) whose part loses its only server stops promptly with an
 error naming the part and the endpoint; an error reply costs no extra deadline with the ring
-on; fanouts a server would refuse are refused by the CLI up front."""
+on; disconnects and timeouts say what happened to the server."""
 
 from __future__ import annotations
 
@@ -127,22 +127,6 @@ def test_error_reply_costs_no_deadline_with_ring_on(server_factory, synth_parts2
     finally:
         ring.close()
         pool.close()
-
-
-@pytest.mark.parametrize("flag", ["--fanouts", "--eval-fanouts"])
-def test_cli_refuses_fanouts_servers_would_refuse(flag, tmp_path):
-    value = "1000000000" if flag == "--fanouts" else "10,1000000000"
-    extra = ["--fanouts", "10,10"] if flag == "--eval-fanouts" else []
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "deploy.worker_mode", *extra, flag, value,
-                           "--epochs", "1", "--work-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env=clean_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert flag in proc.stderr and "100000" in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert time.monotonic() - t0 < 30
-    assert not any(tmp_path.iterdir()), "a refused run must not start work"
 
 
 def test_dead_peer_errors_say_what_happened(tmp_path):
