@@ -15,7 +15,6 @@ also copies the public key into DIR, the directory servers read with
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+
+from common.jsonout import dumps_strict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         auth_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(public_file, auth_dir / Path(public_file).name)
         result["authorized"] = str(auth_dir / Path(public_file).name)
-    print(json.dumps(result))
+    print(dumps_strict(result))
     return 0
 
 

@@ -37,17 +37,38 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def exit_text(code: int) -> str:
+    """``code 2``, or ``code -6 (signal SIGABRT)`` for a child killed by a signal."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = str(-code)
+    return f"code {code} (signal {name})"
+
+
 @dataclass
 class Child:
     name: str
     proc: subprocess.Popen
     tail: deque = field(default_factory=lambda: deque(maxlen=20))
+    pump: Thread | None = None  # forwards the child's stderr; ends at EOF
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def exit_text(self) -> str:
+        code = self.proc.poll()
+        return "still running" if code is None else exit_text(code)
+
     def last_lines(self) -> str:
+        """The child's last stderr lines; once it has exited, after up to 1 s for the pump to
+        forward what it wrote last (its error message, usually)."""
+        if self.pump is not None and self.proc.poll() is not None:
+            self.pump.join(timeout=1.0)
         return "\n".join(self.tail)
 
 
@@ -84,7 +105,8 @@ class ProcessGroup:
                 print(f"[{name}] {text}", file=sys.stderr, flush=True)
             proc.stderr.close()
 
-        Thread(target=pump, daemon=True, name=f"stderr-{name}").start()
+        child.pump = Thread(target=pump, daemon=True, name=f"stderr-{name}")
+        child.pump.start()
         self.children.append(child)
         return child
 

@@ -5,9 +5,10 @@ Environment variables are read here, in deploy/, and nowhere else."""
 from __future__ import annotations
 
 import os
-import sys
+from typing import NoReturn
 
 from trainer_client.main import main as trainer_main
+from trainer_client.main import run_and_exit
 from trainer_client.train import DDPSetup
 
 
@@ -26,9 +27,13 @@ def ddp_from_env(env: dict[str, str] | None = None) -> DDPSetup:
         raise SystemExit(f"trainer-client: bad torchrun environment variable: {e}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    return trainer_main(argv, ddp_from_env())
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The ``trainer-client`` process. Does not return: it ends the process with the trainer's
+    exit code through ``os._exit`` (see :func:`trainer_client.main.exit_process`: torch's
+    gloo threads can abort the interpreter's normal exit)."""
+    ddp = ddp_from_env()
+    run_and_exit(lambda: trainer_main(argv, ddp))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -9,7 +9,16 @@ trainers' JSON summary (plus launcher fields) as the last stdout line.
 Owns its process tree: children die with the launcher (PDEATHSIG), any child failing stops
 the whole group with a non-zero exit naming it, SIGINT/SIGTERM shut down within
 ``--shutdown-timeout-s`` and then kill, and the run directory (sockets, cluster file) is
-removed on every exit path. Exit codes: 0 ok, 1 a child failed, 2 bad input, 130/143 signal.
+removed on every exit path. Exit codes: 0 ok, 1 a child failed (a server died, a trainer
+failed: e.g. its training loss became NaN/inf, named with epoch and batch), 2 bad input,
+130/143 signal.
+
+A trainer rank that dies *after* it delivered its result (each writes a done file once rank
+0's summary is written and every rank passed the final barrier) counts as finished, with a
+warning naming the rank and the signal: torch's gloo teardown can abort a process at exit
+(SIGABRT, "terminate called without an active exception"), which must not throw away a
+finished run. The trainers avoid that crash themselves (they leave with ``os._exit``); this
+is the launcher's second line of defence.
 """
 
 from __future__ import annotations
@@ -28,7 +37,15 @@ from pathlib import Path
 from common.cluster import ClusterSpec
 from common.config import WorkerModeConfig, add_config_args, load_config, to_dict
 from common.errors import MfgServeError
-from deploy.processes import ProcessGroup, free_tcp_port, make_run_dir, remove_stale_run_dirs
+from common.jsonout import dumps_strict
+from common.sockets import new_token_file
+from deploy.processes import (
+    Child,
+    ProcessGroup,
+    free_tcp_port,
+    make_run_dir,
+    remove_stale_run_dirs,
+)
 from deploy.server_group import (
     Interrupted,
     LaunchError,
@@ -110,13 +127,14 @@ def _partition_into(out: Path, write) -> None:
 
 
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
-                  summary_file: Path) -> list[str]:
+                  summary_file: Path, done_file: Path) -> list[str]:
     t = cfg.trainer
     if not t.num_threads:
         t = dataclasses.replace(t, num_threads=max(1, (os.cpu_count() or 1) // cfg.num_trainers))
     argv = [sys.executable, "-m", "trainer_client.main", "--cluster", str(cluster_file),
             "--rank", str(rank), "--world-size", str(cfg.num_trainers),
-            "--local-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            "--local-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--done-file", str(done_file)]
     for key, value in to_dict(t).items():
         if key in ("cluster", "summary_out", "progress", "curve_secret_key"):
             continue
@@ -134,6 +152,35 @@ def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: in
     return argv
 
 
+def wait_trainers(group: ProcessGroup, trainers: list[tuple[Child, Path]],
+                  poll_s: float = 0.1) -> None:
+    """Return when every trainer has finished; raise :class:`LaunchError` naming the first
+    child that failed (any server exiting, or a trainer exiting non-zero before it wrote its
+    done file). A trainer that exits non-zero after writing it died in teardown with its work
+    done: it counts as finished, with a warning."""
+    done_files = {c.name: f for c, f in trainers}
+    finished: set[str] = set()
+    while len(finished) < len(trainers):
+        for c in group.children:
+            code = c.proc.poll()
+            if code is None or c.name in finished:
+                continue
+            done_file = done_files.get(c.name)
+            if done_file is None and code == 0:
+                raise LaunchError(f"{c.name} (pid {c.pid}) exited during training with "
+                                  f"{c.exit_text}")
+            if code != 0 and (done_file is None or not done_file.is_file()):
+                raise LaunchError(f"{c.name} (pid {c.pid}) exited with {c.exit_text}; stopping "
+                                  f"all processes. Its last output:\n{c.last_lines()}")
+            if code != 0:
+                print(f"worker-mode: warning: {c.name} (pid {c.pid}) exited with "
+                      f"{c.exit_text} after it had finished (result delivered, final barrier "
+                      "passed), in torch.distributed's teardown; counting it as finished",
+                      file=sys.stderr, flush=True)
+            finished.add(c.name)
+        time.sleep(poll_s)
+
+
 def run(cfg: WorkerModeConfig) -> dict:
     t0 = time.perf_counter()
     # Trainers and servers share the cores: OpenMP threads that spin while waiting steal
@@ -148,6 +195,7 @@ def run(cfg: WorkerModeConfig) -> dict:
     run_dir = make_run_dir()
     group = ProcessGroup()
     servers: list[tuple[str, str]] = []
+    token = ""
     try:
         cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}r{r}.sock"
                                    for r in range(cfg.servers_per_part)]
@@ -158,31 +206,22 @@ def run(cfg: WorkerModeConfig) -> dict:
                                 "set TMPDIR to a shorter directory")
         cluster_file = run_dir / "cluster.yaml"
         cluster.write(cluster_file)
+        token_file = str(run_dir / "shutdown.token")
+        token = new_token_file(token_file)
         for p, ep in cluster.all_endpoints():
             name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
-            group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file))
+            group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file, token_file))
             servers.append((name, ep))
         wait_ready(group, servers, cfg.startup_timeout_s)
         t_ready = time.perf_counter()
         port = free_tcp_port()
         summary_file = run_dir / "summary.json"
-        trainers = [group.spawn(f"trainer rank {r}",
-                                _trainer_argv(cfg, cluster_file, r, port, summary_file))
+        done = [run_dir / f"rank{r}.done" for r in range(cfg.num_trainers)]
+        trainers = [(group.spawn(f"trainer rank {r}", _trainer_argv(
+                        cfg, cluster_file, r, port, summary_file, done[r])), done[r])
                     for r in range(cfg.num_trainers)]
-        while True:
-            bad = group.failed()
-            if bad is not None:
-                raise LaunchError(f"{bad.name} (pid {bad.pid}) exited with code "
-                                  f"{bad.proc.returncode}; stopping all processes. Its last "
-                                  f"output:\n{bad.last_lines()}")
-            for c in group.children:
-                if c not in trainers and c.proc.poll() is not None:
-                    raise LaunchError(f"{c.name} (pid {c.pid}) exited during training with "
-                                      f"code {c.proc.returncode}")
-            if all(t.proc.poll() == 0 for t in trainers):
-                break
-            time.sleep(0.1)
-        group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers))
+        wait_trainers(group, trainers)
+        group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))
         if not summary_file.is_file():
             raise LaunchError("trainer rank 0 exited without writing its summary")
         summary = json.loads(summary_file.read_text())
@@ -194,7 +233,7 @@ def run(cfg: WorkerModeConfig) -> dict:
         })
         return summary
     finally:
-        group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers))
+        group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -214,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except (MfgServeError, PartitionFormatError, ValueError, OSError) as e:
         print(f"worker-mode: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary), flush=True)
+    print(dumps_strict(summary), flush=True)
     return 0
 
 

@@ -8,13 +8,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 
 from common.config import ServerConfig, add_config_args, load_config
 from common.errors import MfgServeError
+from common.jsonout import dumps_strict
 from partition.layout import PartitionFormatError
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     m = server.store.meta
-    print(json.dumps({"event": "serving", "endpoint": server.endpoint, "part_id": cfg.part_id,
+    print(dumps_strict({"event": "serving", "endpoint": server.endpoint, "part_id": cfg.part_id,
                       "num_parts": m.num_parts, "part_nodes": server.store.end - server.store.start,
                       "dataset": m.dataset}), file=sys.stderr, flush=True)
     server.serve_forever()
