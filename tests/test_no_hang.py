@@ -36,7 +36,7 @@ def _tcp_servers(server_factory, parts: Path, tmp_path: Path):
     cluster = tmp_path / "cluster.yaml"
     ClusterSpec({p: [ep] for p, ep in enumerate(endpoints)}).write(cluster)
     servers = [server_factory(parts, p, cluster=cluster, endpoint=ep,
-                              extra=["--peer-timeout-s", "3"])
+                              extra=["--peer-timeout-s", "20"])  # > heartbeat timeout
                for p, ep in enumerate(endpoints)]
     return cluster, servers
 

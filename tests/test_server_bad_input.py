@@ -150,7 +150,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[int], list[bytes]], str, int]] = {
     "wrong-version": (lambda n: _header(wire(Ping(), 41), v=99), "bad_version", 41),
     "unknown-type": (lambda n: _header(wire(Ping(), 42), t=99), "unknown_type", 42),
     "bad-request-id": (lambda n: _header(wire(Ping(), 1), id=-5), "bad_request_id", 0),
-    "pong-as-request": (lambda n: wire(Pong(0, 1, n, 16, 5, [0, n], "float32", "x", 1, "y", "ab"), 43),
+    "pong-as-request": (lambda n: wire(Pong(0, 1, n, 16, 5, [0, n], "float32", "x", 1, "y", ""), 43),
                         "unexpected_type", 43),
     "mfg-as-request": (lambda n: wire(chain_mfg(2), 44), "unexpected_type", 44),
     "ack-as-request": (lambda n: wire(Ack(), 45), "unexpected_type", 45),
