@@ -4,41 +4,29 @@ Precedence: dataclass defaults < ``--config FILE.yaml`` < explicit command-line 
 Defaults are written once, in the dataclasses below; ``--help`` text comes from each field's
 ``help`` metadata. Unknown YAML keys and wrongly typed values are errors naming the key, the
 file and the accepted keys. Environment variables are not read here (see deploy/).
+
+The machinery (:mod:`common.configtools`) is re-exported here: :func:`add_config_args` builds a
+CLI's options from a dataclass, :func:`load_config` reads them back, and :func:`to_argv`, its
+inverse, writes a config as a child's command line (every launcher uses it).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
 
-import yaml
-
+from common.configtools import Option as Option
+from common.configtools import add_config_args as add_config_args
+from common.configtools import from_argv as from_argv
+from common.configtools import from_dict as from_dict
+from common.configtools import load_config as load_config
+from common.configtools import opt as opt
+from common.configtools import options as options
+from common.configtools import parse_int_list as parse_int_list
+from common.configtools import to_argv as to_argv
+from common.configtools import to_dict as to_dict
 from common.errors import ConfigError
 from common.limits import MAX_FANOUT, MAX_LAYERS
-
-T = TypeVar("T")
-
-
-def opt(default: Any, help: str, **kw: Any) -> Any:
-    """A config field with a default and its --help text."""
-    if isinstance(default, list):
-        items = list(default)
-        return field(default_factory=items.copy, metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-def parse_int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in str(text).split(",") if x.strip() != ""]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 10,10, got {text!r}"
-        ) from e
 
 
 @dataclass
@@ -251,6 +239,72 @@ class WorkerModeConfig:
         dataclasses.replace(self.server, parts="<launcher>").validate()
 
 
+@dataclass
+class DDPConfig:
+    """A trainer's place in its DDP job (torchrun sets these through RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+
+    rank: int = opt(0, "this trainer's DDP rank")
+    world_size: int = opt(1, "number of trainers in the job")
+    local_rank: int = opt(0, "rank on this node; picks the GPU")
+    master_addr: str = opt("127.0.0.1", "address of rank 0 for DDP rendezvous")
+    master_port: int = opt(29500, "port of rank 0 for DDP rendezvous")
+    ddp_timeout_s: float = opt(300.0, "seconds a DDP collective may wait for the other ranks")
+    done_file: str = opt(
+        "", "write this file once this rank is finished (rank 0's summary delivered, every "
+        "rank past the final barrier); a launcher counts a rank that dies after writing it, in "
+        "teardown, as finished")
+
+    def validate(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"--rank {self.rank} must be in [0, --world-size "
+                              f"{self.world_size})")
+
+
+@dataclass
+class ServerNodeConfig:
+    """server-node: start and supervise the sampler servers of one host."""
+
+    cluster: str = opt("", "cluster file listing every server; this node starts those on "
+                       "--host", mutex="servers", mutex_required=True)
+    cluster_out: str = opt("", "write a cluster file for all parts of --parts on --host, with "
+                           "free ports, then start those servers", mutex="servers",
+                           mutex_required=True)
+    host: str = opt("127.0.0.1", "this host's address as written in the cluster file")
+    replicas: int = opt(1, "with --cluster-out: servers per part")
+    startup_timeout_s: float = opt(120.0, "seconds to wait for every server to answer a ping")
+    shutdown_timeout_s: float = opt(
+        10.0, "seconds to wait for servers to exit before killing them")
+    server: ServerConfig = field(
+        default_factory=ServerConfig,
+        metadata={"help": "server options", "flatten": True,
+                  "skip": ("part_id", "bind", "cluster", "ready_file", "shutdown_token_file")})
+
+    def validate(self) -> None:
+        if bool(self.cluster) == bool(self.cluster_out):
+            raise ConfigError("server-node needs one of --cluster FILE (start the servers it "
+                              "lists on --host) or --cluster-out FILE (write one)")
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        self.server.validate()
+
+
+@dataclass
+class KeysConfig:
+    """mfgserve-keys: one CurveZMQ key pair."""
+
+    out: str = opt("", "directory to write NAME.key and NAME.key_secret into (created if "
+                   "missing); required", metavar="DIR")
+    name: str = opt("", "key pair name, e.g. server or trainer-a; required")
+    authorize: str = opt("", "also copy the public key into this authorized-clients directory "
+                         "(created if missing)", metavar="DIR")
+    force: bool = opt(False, "overwrite an existing key pair", negatable=False)
+
+    def validate(self) -> None:
+        if not self.out or not self.name:
+            raise ConfigError("mfgserve-keys needs --out DIR and --name NAME")
+
+
 def _check_fanouts(fanouts: list[int], flag: str) -> None:
     if not 1 <= len(fanouts) <= MAX_LAYERS or any(
             f != -1 and not 1 <= f <= MAX_FANOUT for f in fanouts):
@@ -270,147 +324,3 @@ def _check_endpoint(ep: str, flag: str) -> None:
         raise ConfigError(
             f"{flag} {ep!r} is not a ZeroMQ endpoint; use tcp://HOST:PORT or ipc:///path"
         )
-
-
-# ---------------------------------------------------------------- loading machinery
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check a YAML value against a field type; ints are accepted for floats."""
-    origin = typing.get_origin(tp)
-    if origin in (list,):
-        (inner,) = typing.get_args(tp)
-        if isinstance(value, str) and inner is int:
-            return parse_int_list(value)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
-        return str(value)
-    raise ConfigError(f"{where}: unsupported config type {tp}")
-
-
-def from_dict(cls: type[T], data: dict, where: str) -> T:
-    """Build ``cls`` from a (YAML) dict; unknown keys and bad types are ConfigErrors."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping of option: value, got {type(data).__name__}")
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown option(s) {unknown}; valid options are {sorted(names)}"
-        )
-    kwargs = {}
-    for key, value in data.items():
-        tp = hints[key]
-        if _is_dataclass_type(tp):
-            kwargs[key] = from_dict(tp, value or {}, f"{where}.{key}")
-        else:
-            kwargs[key] = _coerce(value, tp, f"{where}: option {key!r}")
-    return cls(**kwargs)
-
-
-def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                    prefix: str = "",
-                    skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--option`` per field of ``cls`` (nested dataclasses flattened or prefixed).
-
-    Options default to ``argparse.SUPPRESS`` so only those given override the YAML file.
-    """
-    hints = _hints(cls)
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        tp = hints[f.name]
-        if _is_dataclass_type(tp):
-            sub_prefix = "" if f.metadata.get("flatten") else f.metadata.get("prefix", f.name + "-")
-            group = parser.add_argument_group(f.metadata.get("help", f.name))
-            add_config_args(group, tp, prefix + sub_prefix, tuple(f.metadata.get("skip", ())))
-            continue
-        flag = "--" + prefix + f.name.replace("_", "-")
-        dest = (prefix + f.name).replace("-", "_")
-        default = getattr(defaults, f.name)
-        shown = ",".join(map(str, default)) if isinstance(default, list) else default
-        help_text = f"{f.metadata.get('help', '')} (default: {shown!r})"
-        if tp is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        elif typing.get_origin(tp) is list:
-            parser.add_argument(flag, dest=dest, type=parse_int_list, default=argparse.SUPPRESS,
-                                metavar="N,N", help=help_text)
-        else:
-            parser.add_argument(flag, dest=dest, type=tp, default=argparse.SUPPRESS,
-                                help=help_text)
-
-
-def _apply_overrides(cfg: Any, ns: dict, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
-    hints = _hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        if f.name in skip:
-            continue
-        tp = hints[f.name]
-        if _is_dataclass_type(tp):
-            sub_prefix = "" if f.metadata.get("flatten") else f.metadata.get("prefix", f.name + "-")
-            _apply_overrides(getattr(cfg, f.name), ns, prefix + sub_prefix,
-                             tuple(f.metadata.get("skip", ())))
-            continue
-        dest = (prefix + f.name).replace("-", "_")
-        if dest in ns:
-            setattr(cfg, f.name, ns[dest])
-
-
-def load_config(cls: type[T], config_path: str | None, cli: argparse.Namespace | dict) -> T:
-    """Defaults, then the YAML file (if any), then the explicitly given CLI options; validated."""
-    if config_path:
-        path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; fix --config")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-        cfg = from_dict(cls, data, str(path))
-    else:
-        cfg = cls()
-    ns = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli)
-    _apply_overrides(cfg, ns)
-    _validate_tree(cfg)
-    return cfg
-
-
-def _validate_tree(cfg: Any) -> None:
-    if hasattr(cfg, "validate"):
-        cfg.validate()
-
-
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)

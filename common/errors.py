@@ -4,7 +4,17 @@ from __future__ import annotations
 
 
 class MfgServeError(Exception):
-    """Base class of mfgserve's own errors."""
+    """Base class of mfgserve's own errors: expected failures, reported by a CLI as one line
+    ``PROG: error: MESSAGE`` and exit code ``exit_code`` (see common/cli.py)."""
+
+    exit_code = 2  # bad input, unless a subclass says otherwise
+
+
+class ChildFailedError(MfgServeError):
+    """A child process (a server, a trainer, a sampler process) failed or never became
+    ready; the message names it."""
+
+    exit_code = 1
 
 
 class ConfigError(MfgServeError, ValueError):
