@@ -8,12 +8,11 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import zmq
 import zmq.auth
 
-from common.errors import ConfigError, PeerTimeoutError
+from common.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -107,18 +106,6 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def recv_frames(sock: zmq.Socket, timeout_s: float, *, peer: str, waiting_for: str,
-                setting: str) -> list[Any]:
-    """Receive one multipart message (zero-copy frames) or raise PeerTimeoutError naming the
-    peer, what was awaited and the setting that bounds the wait."""
-    if not sock.poll(int(max(timeout_s, 0) * 1000), zmq.POLLIN):
-        raise PeerTimeoutError(
-            f"no reply from {peer} within {timeout_s:.1f}s while waiting for {waiting_for}; "
-            f"check that it is running and reachable, or raise {setting}"
-        )
-    return sock.recv_multipart(copy=False)
-
-
 def new_token_file(path: str | Path) -> str:
     """Write a fresh random token to ``path`` (mode 0600) and return it: the secret a
     launcher shares with the servers it starts (e.g. to let it send them Shutdown)."""
@@ -151,6 +138,3 @@ class Deadline:
 
     def left(self) -> float:
         return max(0.0, self.end - time.monotonic())
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.end

@@ -23,34 +23,38 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from common.cli import run_main
+from common.config import KeysConfig, add_config_args, load_config
+from common.errors import ConfigError
 from common.jsonout import dumps_strict
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mfgserve-keys", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory to write NAME.key and "
-                   "NAME.key_secret into (created if missing)")
-    p.add_argument("--name", required=True, help="key pair name, e.g. server or trainer-a")
-    p.add_argument("--authorize", metavar="DIR", help="also copy the public key into this "
-                   "authorized-clients directory (created if missing)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing key pair")
-    args = p.parse_args(argv)
+    add_config_args(p, KeysConfig)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``mfgserve-keys`` (errors mapped by :func:`common.cli.run_main`)."""
+    return run_main("mfgserve-keys", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    cfg = load_config(KeysConfig, None, build_parser().parse_args(argv))
     if not zmq.has("curve"):
-        print("mfgserve-keys: error: this libzmq has no CURVE support", file=sys.stderr)
-        return 2
-    out = Path(args.out)
+        raise ConfigError("this libzmq has no CURVE support")
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    public, secret = out / f"{args.name}.key", out / f"{args.name}.key_secret"
-    if (public.exists() or secret.exists()) and not args.force:
-        print(f"mfgserve-keys: error: {public} already exists; pass --force to replace it",
-              file=sys.stderr)
-        return 2
-    public_file, secret_file = zmq.auth.create_certificates(str(out), args.name)
+    public, secret = out / f"{cfg.name}.key", out / f"{cfg.name}.key_secret"
+    if (public.exists() or secret.exists()) and not cfg.force:
+        raise ConfigError(f"{public} already exists; pass --force to replace it")
+    public_file, secret_file = zmq.auth.create_certificates(str(out), cfg.name)
     os.chmod(secret_file, 0o600)
     result = {"public": str(public_file), "secret": str(secret_file)}
-    if args.authorize:
-        auth_dir = Path(args.authorize)
+    if cfg.authorize:
+        auth_dir = Path(cfg.authorize)
         auth_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(public_file, auth_dir / Path(public_file).name)
         result["authorized"] = str(auth_dir / Path(public_file).name)

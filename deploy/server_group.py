@@ -3,61 +3,34 @@ command lines, waiting until they answer, and shutting them down politely."""
 
 from __future__ import annotations
 
-import signal
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import zmq
 
-from common.config import ServerConfig
-from common.errors import MfgServeError
+from common.config import ServerConfig, to_argv
+from common.errors import ChildFailedError
 from common.messages import Ping, Shutdown
 from common.rpc import RpcChannel
 from deploy.processes import ProcessGroup
 
 
-class LaunchError(MfgServeError):
-    """A child failed or never became ready; the message names it."""
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM reached the launcher (raised from its signal handler)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def raise_on_signals() -> None:
-    """Turn SIGINT/SIGTERM into :class:`Interrupted` so launchers unwind through ``finally``
-    (tearing their children down) instead of dying on the spot."""
-
-    def on_signal(signum, _frame):
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+class LaunchError(ChildFailedError):
+    """A child failed or never became ready; the message names it (exit code 1)."""
 
 
 def server_argv(s: ServerConfig, parts: str, part: int, endpoint: str,
                 cluster_file: Path, token_file: str = "") -> list[str]:
-    """The ``sampler-server`` command line for one part, carrying ``s``'s tunables;
-    ``token_file`` (see :func:`common.sockets.new_token_file`) lets the launcher stop it."""
-    argv = [sys.executable, "-m", "sampler_server.main", "--parts", parts, "--part-id",
-            str(part), "--bind", endpoint, "--cluster", str(cluster_file),
-            "--num-workers", str(s.num_workers), "--max-queue", str(s.max_queue),
-            "--max-message-mb", str(s.max_message_mb),
-            "--max-peer-backlog-mb", str(s.max_peer_backlog_mb), "--peer-timeout-s",
-            str(s.peer_timeout_s), "--seed", str(s.seed + part),
-            "--heartbeat-s", str(s.heartbeat_s), "--heartbeat-timeout-s",
-            str(s.heartbeat_timeout_s)]
-    if token_file:
-        argv += ["--shutdown-token-file", token_file]
-    if s.curve_secret_key:
-        argv += ["--curve-secret-key", s.curve_secret_key,
-                 "--curve-authorized-keys", s.curve_authorized_keys]
-    return argv
+    """The ``sampler-server`` command line for one part: every option of ``s`` (through
+    :func:`common.config.to_argv`, so none is left out) with this server's place: part
+    ``part`` of ``parts`` at ``endpoint``, seed ``s.seed + part``. ``token_file`` (see
+    :func:`common.sockets.new_token_file`) lets the launcher stop it."""
+    own = dataclasses.replace(s, parts=parts, part_id=part, bind=endpoint,
+                              cluster=str(cluster_file), seed=s.seed + part,
+                              shutdown_token_file=token_file)
+    return [sys.executable, "-m", "sampler_server.main", *to_argv(own)]
 
 
 def wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s: float) -> None:

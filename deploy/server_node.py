@@ -23,45 +23,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.cli import Interrupted, raise_on_signals, run_main
 from common.cluster import ClusterSpec
-from common.config import ServerConfig, add_config_args, load_config
-from common.errors import MfgServeError
+from common.config import ServerNodeConfig, add_config_args, load_config
+from common.errors import ConfigError
 from common.jsonout import dumps_strict
 from common.sockets import new_token_file
 from deploy.processes import ProcessGroup, free_tcp_port
-from deploy.server_group import (
-    Interrupted,
-    LaunchError,
-    raise_on_signals,
-    server_argv,
-    shutdown_servers,
-    wait_ready,
-)
-from partition.layout import PartitionFormatError, PartitionSetMeta
-
-SKIP = ("part_id", "bind", "cluster", "ready_file", "shutdown_token_file")
+from deploy.server_group import LaunchError, server_argv, shutdown_servers, wait_ready
+from partition.layout import PartitionSetMeta
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="server-node", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file with server options (command-line options "
-                   "override it)")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--cluster", help="cluster file listing every server; this node starts "
-                   "those on --host")
-    g.add_argument("--cluster-out", help="write a cluster file for all parts of --parts on "
-                   "--host, with free ports, then start those servers")
-    p.add_argument("--host", default="127.0.0.1", help="this host's address as written in "
-                   "the cluster file (default: 127.0.0.1)")
-    p.add_argument("--replicas", type=int, default=1, help="with --cluster-out: servers per "
-                   "part (default: 1)")
-    p.add_argument("--startup-timeout-s", type=float, default=120.0, help="seconds to wait "
-                   "for every server to answer a ping (default: 120)")
-    p.add_argument("--shutdown-timeout-s", type=float, default=10.0, help="seconds to wait "
-                   "for servers to exit before killing them (default: 10)")
-    add_config_args(p, ServerConfig, skip=SKIP)
+    p.add_argument("--config", help="YAML file with server-node and server options "
+                   "(command-line options override it)")
+    add_config_args(p, ServerNodeConfig)
     return p
 
 
@@ -69,29 +48,27 @@ def _host_of(endpoint: str) -> str:
     return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
 
 
-def plan(args: argparse.Namespace, num_parts: int) -> tuple[ClusterSpec, Path, list[tuple[int, str]]]:
-    """(cluster, cluster file, this node's (part, endpoint) list)."""
-    if args.cluster:
-        cluster_file = Path(args.cluster)
-        cluster = ClusterSpec.load(cluster_file)
-        mine = [(p, ep) for p, ep in cluster.all_endpoints()
-                if ep.startswith("tcp://") and _host_of(ep) == args.host]
+def plan(node: ServerNodeConfig, num_parts: int) -> tuple[Path, list[tuple[int, str]]]:
+    """(cluster file, this node's (part, endpoint) list)."""
+    if node.cluster:
+        cluster_file = Path(node.cluster)
+        mine = [(p, ep) for p, ep in ClusterSpec.load(cluster_file).all_endpoints()
+                if ep.startswith("tcp://") and _host_of(ep) == node.host]
         if not mine:
-            raise MfgServeError(f"cluster file {cluster_file} lists no tcp endpoint on host "
-                                f"{args.host}; fix --host or the cluster file")
-        return cluster, cluster_file, mine
-    if args.replicas < 1:
-        raise MfgServeError("--replicas must be >= 1")
-    cluster = ClusterSpec({p: [f"tcp://{args.host}:{free_tcp_port(args.host)}"
-                               for _ in range(args.replicas)] for p in range(num_parts)})
-    cluster_file = Path(args.cluster_out)
+            raise ConfigError(f"cluster file {cluster_file} lists no tcp endpoint on host "
+                              f"{node.host}; fix --host or the cluster file")
+        return cluster_file, mine
+    cluster = ClusterSpec({p: [f"tcp://{node.host}:{free_tcp_port(node.host)}"
+                               for _ in range(node.replicas)] for p in range(num_parts)})
+    cluster_file = Path(node.cluster_out)
     cluster.write(cluster_file)
-    return cluster, cluster_file, cluster.all_endpoints()
+    return cluster_file, cluster.all_endpoints()
 
 
-def run(args: argparse.Namespace, cfg: ServerConfig) -> int:
+def run(node: ServerNodeConfig) -> int:
+    cfg = node.server
     meta = PartitionSetMeta.load(cfg.parts)
-    cluster, cluster_file, mine = plan(args, meta.num_parts)
+    cluster_file, mine = plan(node, meta.num_parts)
     group = ProcessGroup()
     servers = [(f"server p{p} {ep}", ep) for p, ep in mine]
     secret_dir = tempfile.mkdtemp(prefix="mfgserve-node-")  # 0700: the shutdown token
@@ -100,9 +77,9 @@ def run(args: argparse.Namespace, cfg: ServerConfig) -> int:
     try:
         for (p, ep), (name, _) in zip(mine, servers):
             group.spawn(name, server_argv(cfg, cfg.parts, p, ep, cluster_file, token_file))
-        wait_ready(group, servers, args.startup_timeout_s)
+        wait_ready(group, servers, node.startup_timeout_s)
         print(dumps_strict({"event": "ready", "cluster": str(cluster_file),
-                          "servers": [ep for _, ep in mine]}), flush=True)
+                            "servers": [ep for _, ep in mine]}), flush=True)
         while True:
             for c in group.children:
                 if c.proc.poll() is not None:
@@ -111,29 +88,26 @@ def run(args: argparse.Namespace, cfg: ServerConfig) -> int:
                                       f"last output:\n{c.last_lines()}")
             time.sleep(0.2)
     finally:
-        group.teardown(args.shutdown_timeout_s,
+        group.teardown(node.shutdown_timeout_s,
                        polite=lambda: shutdown_servers(servers, token))
         shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``server-node``: 0 once stopped by SIGINT/SIGTERM, 1 when a server
+    died, 2 for bad input (errors mapped by :func:`common.cli.run_main`)."""
+    return run_main("server-node", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     raise_on_signals()
-    cli = {k: v for k, v in vars(args).items()
-           if k not in ("config", "cluster", "cluster_out", "host", "replicas",
-                        "startup_timeout_s", "shutdown_timeout_s")}
+    node = load_config(ServerNodeConfig, args.config, args)
     try:
-        cfg = load_config(ServerConfig, args.config, cli)
-        return run(args, cfg)
-    except Interrupted as e:
+        return run(node)
+    except Interrupted as e:  # the way a node is meant to stop
         print(f"server-node: {e}: servers stopped", file=sys.stderr)
         return 0
-    except LaunchError as e:
-        print(f"server-node: error: {e}", file=sys.stderr)
-        return 1
-    except (MfgServeError, PartitionFormatError, ValueError, OSError) as e:
-        print(f"server-node: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -7,32 +7,29 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
+from common.config import DDPConfig
+from common.errors import ConfigError
+from trainer_client.main import exit_process
 from trainer_client.main import main as trainer_main
-from trainer_client.main import run_and_exit
-from trainer_client.train import DDPSetup
+
+ENV = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
+       "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"}
 
 
-def ddp_from_env(env: dict[str, str] | None = None) -> DDPSetup:
+def ddp_from_env(env: dict[str, str] | None = None) -> DDPConfig:
     env = dict(os.environ if env is None else env)
-    d = DDPSetup()
+    d = DDPConfig()
     try:
-        return DDPSetup(
-            rank=int(env.get("RANK", d.rank)),
-            world_size=int(env.get("WORLD_SIZE", d.world_size)),
-            local_rank=int(env.get("LOCAL_RANK", d.local_rank)),
-            master_addr=env.get("MASTER_ADDR", d.master_addr),
-            master_port=int(env.get("MASTER_PORT", d.master_port)),
-        )
+        return DDPConfig(**{k: type(getattr(d, k))(env[v]) for k, v in ENV.items() if v in env})
     except ValueError as e:
-        raise SystemExit(f"trainer-client: bad torchrun environment variable: {e}") from None
+        raise ConfigError(f"bad torchrun environment variable: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """The ``trainer-client`` process. Does not return: it ends the process with the trainer's
     exit code through ``os._exit`` (see :func:`trainer_client.main.exit_process`: torch's
     gloo threads can abort the interpreter's normal exit)."""
-    ddp = ddp_from_env()
-    run_and_exit(lambda: trainer_main(argv, ddp))
+    exit_process(trainer_main(argv, ddp_from_env))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.cli import raise_on_signals, run_main
 from common.cluster import ClusterSpec
-from common.config import WorkerModeConfig, add_config_args, load_config, to_dict
-from common.errors import MfgServeError
+from common.config import DDPConfig, WorkerModeConfig, add_config_args, load_config, to_argv
+from common.errors import ConfigError
 from common.jsonout import dumps_strict
 from common.sockets import new_token_file
 from deploy.processes import (
@@ -46,14 +47,7 @@ from deploy.processes import (
     make_run_dir,
     remove_stale_run_dirs,
 )
-from deploy.server_group import (
-    Interrupted,
-    LaunchError,
-    raise_on_signals,
-    server_argv,
-    shutdown_servers,
-    wait_ready,
-)
+from deploy.server_group import LaunchError, server_argv, shutdown_servers, wait_ready
 from partition.layout import PartitionFormatError, PartitionSetMeta
 
 
@@ -128,28 +122,16 @@ def _partition_into(out: Path, write) -> None:
 
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
                   summary_file: Path, done_file: Path) -> list[str]:
+    """The ``trainer-client`` command line of ``rank``: every trainer option of ``cfg``
+    (through :func:`common.config.to_argv`), rank 0 alone with progress bars and the summary."""
     t = cfg.trainer
-    if not t.num_threads:
-        t = dataclasses.replace(t, num_threads=max(1, (os.cpu_count() or 1) // cfg.num_trainers))
-    argv = [sys.executable, "-m", "trainer_client.main", "--cluster", str(cluster_file),
-            "--rank", str(rank), "--world-size", str(cfg.num_trainers),
-            "--local-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--done-file", str(done_file)]
-    for key, value in to_dict(t).items():
-        if key in ("cluster", "summary_out", "progress", "curve_secret_key"):
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, list):
-            if value:  # "=" form: a value like -1,-1 must not parse as an option
-                argv.append(f"{flag}={','.join(map(str, value))}")
-        elif isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, str(value)]
-    argv.append("--progress" if (t.progress and rank == 0) else "--no-progress")
-    if rank == 0:
-        argv += ["--summary-out", str(summary_file)]
-    return argv
+    t = dataclasses.replace(
+        t, cluster=str(cluster_file), progress=t.progress and rank == 0,
+        num_threads=t.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_trainers),
+        summary_out=str(summary_file) if rank == 0 else "")
+    ddp = DDPConfig(rank=rank, world_size=cfg.num_trainers, local_rank=rank,
+                    master_addr="127.0.0.1", master_port=port, done_file=str(done_file))
+    return [sys.executable, "-m", "trainer_client.main", *to_argv(t), *to_argv(ddp)]
 
 
 def wait_trainers(group: ProcessGroup, trainers: list[tuple[Child, Path]],
@@ -202,8 +184,8 @@ def run(cfg: WorkerModeConfig) -> dict:
                                for p in range(meta.num_parts)})
         longest = max(len(ep) for _, ep in cluster.all_endpoints()) - len("ipc://")
         if longest > 100:  # sun_path holds 107 bytes
-            raise MfgServeError(f"run directory {run_dir} is too deep for ipc socket paths; "
-                                "set TMPDIR to a shorter directory")
+            raise ConfigError(f"run directory {run_dir} is too deep for ipc socket paths; "
+                              "set TMPDIR to a shorter directory")
         cluster_file = run_dir / "cluster.yaml"
         cluster.write(cluster_file)
         token_file = str(run_dir / "shutdown.token")
@@ -238,21 +220,15 @@ def run(cfg: WorkerModeConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``worker-mode``; returns the exit code (see the module docstring;
+    errors mapped by :func:`common.cli.run_main`)."""
+    return run_main("worker-mode", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     raise_on_signals()
-    try:
-        cfg = load_config(WorkerModeConfig, args.config, {k: v for k, v in vars(args).items()
-                                                          if k != "config"})
-        summary = run(cfg)
-    except Interrupted as e:
-        print(f"worker-mode: interrupted by {e}; all processes stopped", file=sys.stderr)
-        return 128 + e.signum
-    except LaunchError as e:
-        print(f"worker-mode: error: {e}", file=sys.stderr)
-        return 1
-    except (MfgServeError, PartitionFormatError, ValueError, OSError) as e:
-        print(f"worker-mode: error: {e}", file=sys.stderr)
-        return 2
+    summary = run(load_config(WorkerModeConfig, args.config, args))
     print(dumps_strict(summary), flush=True)
     return 0
 

@@ -17,22 +17,21 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli import run_main
+from common.config import add_config_args, load_config
+from common.errors import ConfigError
 from common.jsonout import dumps_strict
-from partition.graph_data import DatasetError
+from partition.config import PartitionConfig
 from partition.outdir import PartitionError, check_out, describe_os_error
 
 PROG = "partition-ogbn"
-EXIT_USAGE = 2
-_SYNTH_DEFAULTS = {
-    "num_nodes": 100_000,
-    "avg_degree": 20.0,
-    "feat_dim": 100,
-    "num_classes": 47,
-    "homophily": 0.8,
-}
+EPILOG = """examples:
+  partition-ogbn --dataset-dir ../shared/datasets/cora --num-parts 2 --out parts/cora2
+  partition-ogbn --dataset synthetic --num-nodes 200000 --num-parts 2 --out parts/syn
+  partition-ogbn --dataset ogbn-arxiv --add-reverse-edges --num-parts 4 --out parts/arxiv4"""
 
 
-class CliError(Exception):
+class CliError(ConfigError):
     """An expected failure: printed without a traceback, exit code 2."""
 
 
@@ -44,184 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
             "synthetic graph) into the partition set that sampler servers load. Progress and a "
             "summary go to stderr; the last stdout line is a JSON summary."
         ),
-        epilog=(
-            "examples:\n"
-            "  partition-ogbn --dataset-dir ../shared/datasets/cora --num-parts 2 --out parts/cora2\n"
-            "  partition-ogbn --dataset synthetic --num-nodes 200000 --num-parts 2 --out parts/syn\n"
-            "  partition-ogbn --dataset ogbn-arxiv --add-reverse-edges --num-parts 4 --out parts/arxiv4"
-        ),
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--dataset",
-        metavar="NAME",
-        help="an OGB node-property dataset name (ogbn-arxiv, ogbn-products, ogbn-papers100M; "
-        "downloaded into --root when missing), or 'synthetic' for a generated power-law graph. "
-        "Exactly one of --dataset / --dataset-dir is required.",
-    )
-    src.add_argument(
-        "--dataset-dir",
-        metavar="DIR",
-        help="a directory in OGB's raw layout (raw/*.csv.gz, split/, RELEASE_v1.txt, meta.json), "
-        "e.g. ../shared/datasets/cora; it is only read, never written",
-    )
-    p.add_argument(
-        "--root",
-        metavar="DIR",
-        default="./data/ogb",
-        help="ogb download/cache directory for --dataset ogbn-* (default: %(default)s); "
-        "offline, unzip the dataset to DIR/ogbn_<name>/ yourself",
-    )
-    p.add_argument(
-        "--num-parts",
-        type=int,
-        default=1,
-        metavar="N",
-        help="number of partitions, >= 1 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--method",
-        choices=["metis", "random"],
-        default="metis",
-        help="node assignment: 'metis' minimises the edge cut and balances nodes and training "
-        "seeds (needs DGL with METIS; no silent fallback), 'random' deals nodes out evenly "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--halo-hops",
-        type=int,
-        default=0,
-        metavar="K",
-        help="also store, per part, the complete in-edges and features of other parts' nodes "
-        "within K in-hops (0-3), so sampling hops 2..K+1 and their features need no "
-        "server-to-server request when they stay inside the halo; costs the halo's size "
-        "(default: %(default)s: the first hop is always local)",
-    )
-    p.add_argument(
-        "--presample-batches",
-        type=int,
-        default=16,
-        metavar="B",
-        help="mini-batches of training seeds (fanouts 15,10,5, batch 1024) sampled to rank "
-        "nodes by hotness for trainers' feature caches (hot_rank.npy); 0 skips it "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--out",
-        metavar="DIR",
-        help="output directory of the partition set; must be new or empty (required unless "
-        "--raw-out is given). The set is written beside it and renamed into place when "
-        "complete",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="replace an existing partition set (or OGB raw directory for --raw-out) at the "
-        "output path; only the set's own files are deleted, and a directory holding anything "
-        "else is refused (default: refuse)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="random seed for --method random and the synthetic generator (default: %(default)s)",
-    )
-    p.add_argument(
-        "--add-reverse-edges",
-        action="store_true",
-        help="make a directed dataset (e.g. ogbn-arxiv) bidirected by adding every edge "
-        "reversed; no-op for datasets ogb already stores with inverse edges (default: off)",
-    )
-    p.add_argument(
-        "--work-dir",
-        metavar="DIR",
-        help="where ogb's temporary processing directory goes (default: --root for "
-        "--dataset ogbn-*, the system temp dir for --dataset-dir)",
-    )
-    syn = p.add_argument_group("synthetic graph (--dataset synthetic)")
-    syn.add_argument(
-        "--num-nodes",
-        type=int,
-        metavar="N",
-        help=f"number of nodes (default: {_SYNTH_DEFAULTS['num_nodes']})",
-    )
-    syn.add_argument(
-        "--avg-degree",
-        type=float,
-        metavar="D",
-        help="average number of directed edges per node, both directions of an undirected "
-        f"edge counted (default: {_SYNTH_DEFAULTS['avg_degree']:g})",
-    )
-    syn.add_argument(
-        "--feat-dim",
-        type=int,
-        metavar="D",
-        help=f"node feature dimension (default: {_SYNTH_DEFAULTS['feat_dim']})",
-    )
-    syn.add_argument(
-        "--num-classes",
-        type=int,
-        metavar="C",
-        help=f"number of classes (default: {_SYNTH_DEFAULTS['num_classes']})",
-    )
-    syn.add_argument(
-        "--homophily",
-        type=float,
-        metavar="H",
-        help="fraction of edges joining nodes of the same class, in [0, 1] "
-        f"(default: {_SYNTH_DEFAULTS['homophily']})",
-    )
-    syn.add_argument(
-        "--raw-out",
-        metavar="DIR",
-        help="write the synthetic graph in OGB's raw layout to DIR (readable with "
-        "--dataset-dir DIR); with --out as well, also partition it",
-    )
-    p.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="hide progress bars (default: shown on stderr)",
-    )
+    add_config_args(p, PartitionConfig)
     return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    synthetic = args.dataset == "synthetic"
-    if args.num_parts < 1:
-        raise CliError(f"--num-parts {args.num_parts}: the number of parts must be >= 1")
-    given_synth = [k for k in _SYNTH_DEFAULTS if getattr(args, k) is not None]
-    if given_synth and not synthetic:
-        opts = ", ".join("--" + k.replace("_", "-") for k in given_synth)
-        raise CliError(f"{opts} only apply to --dataset synthetic; remove them")
-    if args.raw_out and not synthetic:
-        raise CliError("--raw-out only applies to --dataset synthetic; remove it or use --out")
-    if args.out is None and args.raw_out is None:
-        raise CliError("--out DIR is required (the directory to write the partition set to)")
-    if synthetic:
-        for k, v in _SYNTH_DEFAULTS.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-        if args.num_nodes < 2:
-            raise CliError(f"--num-nodes {args.num_nodes}: a synthetic graph needs >= 2 nodes")
-        if args.num_parts > args.num_nodes:
-            raise CliError(
-                f"--num-parts {args.num_parts} exceeds --num-nodes {args.num_nodes}; use fewer parts"
-            )
-        if not 0.0 <= args.homophily <= 1.0:
-            raise CliError(f"--homophily {args.homophily} must be within [0, 1]")
-        if args.avg_degree < 0 or args.feat_dim < 1 or args.num_classes < 1:
-            raise CliError(
-                "--avg-degree must be >= 0, --feat-dim and --num-classes >= 1 "
-                f"(got {args.avg_degree:g}, {args.feat_dim}, {args.num_classes})"
-            )
-    elif args.dataset is not None and not args.dataset.startswith("ogbn-"):
-        raise CliError(
-            f"--dataset {args.dataset!r}: expected an ogbn-* name (e.g. ogbn-arxiv) or "
-            "'synthetic'; for a local directory use --dataset-dir DIR"
-        )
-    if args.dataset_dir is not None:
-        d = Path(args.dataset_dir)
+def _check_paths(cfg: PartitionConfig) -> None:
+    """The checks of ``cfg`` that look at the filesystem (``validate`` did the rest)."""
+    if cfg.dataset_dir:
+        d = Path(cfg.dataset_dir)
         if not d.is_dir():
             raise CliError(
                 f"--dataset-dir {d} does not exist; pass a directory in OGB raw layout "
@@ -232,10 +64,13 @@ def _check_args(args: argparse.Namespace) -> None:
                 f"--dataset-dir {d} has no meta.json, so it is not in OGB raw layout; add one "
                 "(see ../shared/datasets/cora/meta.json) or point at the right directory"
             )
-    if args.out is not None:
-        _check_out_dir(Path(args.out), args.force)
-    if args.raw_out is not None:
-        r = Path(args.raw_out)
+    if cfg.out:
+        try:
+            check_out(Path(cfg.out), cfg.force)
+        except PartitionError as e:
+            raise CliError(str(e)) from e
+    if cfg.synthetic.raw_out:
+        r = Path(cfg.synthetic.raw_out)
         if r.exists() and not r.is_dir():
             raise CliError(f"--raw-out {r} exists and is not a directory; choose another path")
         if r.is_dir() and any(r.iterdir()):
@@ -244,15 +79,8 @@ def _check_args(args: argparse.Namespace) -> None:
                     f"--raw-out {r} is not empty and not an OGB raw directory; choose an "
                     "empty or new directory"
                 )
-            if not args.force:
+            if not cfg.force:
                 raise CliError(f"--raw-out {r} already holds a dataset; pass --force to overwrite")
-
-
-def _check_out_dir(out: Path, force: bool) -> None:
-    try:
-        check_out(out, force)
-    except PartitionError as e:
-        raise CliError(str(e)) from e
 
 
 @contextlib.contextmanager
@@ -305,32 +133,34 @@ def _summary_lines(meta, load_s: float, total_s: float) -> list[str]:
     return lines
 
 
-def _run(args: argparse.Namespace) -> dict:
+def _run(cfg: PartitionConfig) -> dict:
     from partition.partitioner import partition_graph, peak_rss_bytes
 
     t0 = time.perf_counter()
-    progress = not args.no_progress
-    if args.dataset == "synthetic":
+    progress = not cfg.no_progress
+    raw_out = cfg.synthetic.raw_out
+    if cfg.dataset == "synthetic":
         from partition.synthetic import generate, write_ogb_raw
 
+        syn = cfg.synthetic.resolved()
         data = generate(
-            args.num_nodes,
-            avg_degree=args.avg_degree,
-            feat_dim=args.feat_dim,
-            num_classes=args.num_classes,
-            seed=args.seed,
-            homophily=args.homophily,
+            syn.num_nodes,
+            avg_degree=syn.avg_degree,
+            feat_dim=syn.feat_dim,
+            num_classes=syn.num_classes,
+            seed=cfg.seed,
+            homophily=syn.homophily,
             progress=progress,
         )
     else:
         from partition.ogbn import load_ogb
 
         data = load_ogb(
-            name=args.dataset,
-            root=args.root,
-            dataset_dir=args.dataset_dir,
-            add_reverse_edges=args.add_reverse_edges,
-            work_dir=args.work_dir,
+            name=cfg.dataset or None,
+            root=cfg.root,
+            dataset_dir=cfg.dataset_dir or None,
+            add_reverse_edges=cfg.add_reverse_edges,
+            work_dir=cfg.work_dir or None,
         )
     load_s = time.perf_counter() - t0
     print(
@@ -344,37 +174,37 @@ def _run(args: argparse.Namespace) -> dict:
         "num_edges": data.num_edges,
         "load_s": round(load_s, 3),
     }
-    if args.raw_out is not None:
+    if raw_out:
         t = time.perf_counter()
         try:
-            write_ogb_raw(data, args.raw_out, progress=progress)
+            write_ogb_raw(data, raw_out, progress=progress)
         except OSError as e:
-            raise CliError(describe_os_error(e, f"writing --raw-out {args.raw_out} failed")) from e
-        result["raw_out"] = str(Path(args.raw_out))
+            raise CliError(describe_os_error(e, f"writing --raw-out {raw_out} failed")) from e
+        result["raw_out"] = str(Path(raw_out))
         result["raw_write_s"] = round(time.perf_counter() - t, 3)
         print(
-            f"{PROG}: wrote OGB raw layout to {args.raw_out} in {result['raw_write_s']:.1f} s "
-            f"(read it with --dataset-dir {args.raw_out})",
+            f"{PROG}: wrote OGB raw layout to {raw_out} in {result['raw_write_s']:.1f} s "
+            f"(read it with --dataset-dir {raw_out})",
             file=sys.stderr,
         )
-    if args.out is not None:
+    if cfg.out:
         meta = partition_graph(
             data,
-            args.num_parts,
-            args.out,
-            args.method,
-            seed=args.seed,
+            cfg.num_parts,
+            cfg.out,
+            cfg.method,
+            seed=cfg.seed,
             progress=progress,
-            overwrite=args.force,
-            halo_hops=args.halo_hops,
-            presample_batches=args.presample_batches,
+            overwrite=cfg.force,
+            halo_hops=cfg.halo_hops,
+            presample_batches=cfg.presample_batches,
         )
         total_s = time.perf_counter() - t0
         for line in _summary_lines(meta, load_s, total_s):
             print(line, file=sys.stderr)
         st = meta.stats
         result.update(
-            out=str(Path(args.out)),
+            out=str(Path(cfg.out)),
             set_id=meta.set_id,
             num_parts=meta.num_parts,
             method=meta.method,
@@ -399,40 +229,27 @@ def _run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``partition-ogbn``; returns (and, as a script, exits with) the status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 with a usage message on malformed arguments
-    try:
-        _check_args(args)
-        with _stdout_to_stderr():
-            result = _run(args)
-    except CliError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (DatasetError, FileExistsError, ImportError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except MemoryError:
-        print(
-            f"{PROG}: error: out of memory; use a machine with more memory, or a smaller "
-            "dataset (--num-nodes / --avg-degree / --feat-dim for synthetic graphs)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    except ValueError as e:  # PartitionError, PartitionFormatError
-        from partition.layout import PartitionFormatError
+    """Entry point of ``partition-ogbn``; returns (and, as a script, exits with) the status
+    (errors mapped by :func:`common.cli.run_main`)."""
+    return run_main(PROG, lambda: _main(argv))
 
-        if isinstance(e, (PartitionError, PartitionFormatError)):
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)  # exits 2 with a usage message on malformed arguments
+    cfg = load_config(PartitionConfig, None, args)
+    _check_paths(cfg)
+    try:
+        with _stdout_to_stderr():
+            result = _run(cfg)
+    except MemoryError:
+        raise CliError("out of memory; use a machine with more memory, or a smaller dataset "
+                       "(--num-nodes / --avg-degree / --feat-dim for synthetic graphs)") from None
+    except ImportError as e:  # e.g. METIS (DGL) unavailable
+        raise CliError(str(e)) from e
+    except FileExistsError as e:
+        raise CliError(str(e)) from e
     except OSError as e:  # e.g. an unreadable dataset file or --work-dir
-        print(f"{PROG}: error: {describe_os_error(e, 'a file operation failed')}",
-              file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        raise CliError(describe_os_error(e, "a file operation failed")) from e
     print(dumps_strict(result, separators=(",", ":")), flush=True)
     return 0
 

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.errors import MfgServeError
+
 __all__ = ["GraphData", "DatasetError"]
 
 _FINITE_CHUNK = 1 << 22  # feature values checked for NaN / inf per step
 
 
-class DatasetError(ValueError):
+class DatasetError(MfgServeError, ValueError):
     """A dataset cannot be loaded or is inconsistent; the message says what to change."""
 
 

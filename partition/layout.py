@@ -60,6 +60,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.errors import MfgServeError
+
 FORMAT_NAME = "mfgserve-partitions"
 FORMAT_VERSION = 2  # 2: metadata.json carries set_id
 METADATA_FILE = "metadata.json"
@@ -70,7 +72,7 @@ SPLITS = ("train", "valid", "test")
 FEAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-class PartitionFormatError(ValueError):
+class PartitionFormatError(MfgServeError, ValueError):
     """A partition directory is missing, incomplete, corrupt, or of another format version."""
 
 

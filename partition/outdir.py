@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from common.errors import MfgServeError
 from partition import layout
 
 __all__ = ["PartitionError", "is_partition_set", "clear_partition_set", "check_out",
@@ -38,7 +39,7 @@ KNOWN_FILES = (layout.METADATA_FILE, "orig_to_new.npy", layout.HOT_RANK_FILE,
 _PART_FILES = frozenset(f"{a}.npy" for a in layout.PART_ARRAYS + layout.HALO_ARRAYS)
 
 
-class PartitionError(ValueError):
+class PartitionError(MfgServeError, ValueError):
     """Partitioning cannot proceed; the message names the cause and what to change."""
 
 

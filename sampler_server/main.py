@@ -12,10 +12,10 @@ import logging
 import signal
 import sys
 
+from common.cli import run_main
 from common.config import ServerConfig, add_config_args, load_config
-from common.errors import MfgServeError
+from common.errors import ChildFailedError
 from common.jsonout import dumps_strict
-from partition.layout import PartitionFormatError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,23 +31,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sampler-server``: 0 once stopped (SIGTERM, SIGINT or a Shutdown
+    message), 2 for bad input, 1 when a sampler process failed (errors mapped by
+    :func:`common.cli.run_main`)."""
+    return run_main("sampler-server", lambda: _serve(argv))
+
+
+def _serve(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
-    try:
-        cfg = load_config(ServerConfig, args.config, args)
-        import torch
+    cfg = load_config(ServerConfig, args.config, args)
+    import torch
 
-        from sampler_server.server import SamplerServer  # heavy imports after arg checks
+    from sampler_server.server import SamplerServer  # heavy imports after arg checks
 
-        # Concurrency comes from --num-workers threads (and processes); keep each op serial
-        # so co-located servers and trainers do not oversubscribe the cores.
-        torch.set_num_threads(1)
-
-        server = SamplerServer(cfg)
-    except (MfgServeError, PartitionFormatError, OSError) as e:
-        print(f"sampler-server: error: {e}", file=sys.stderr)
-        return 2
+    # Concurrency comes from --num-workers threads (and processes); keep each op serial
+    # so co-located servers and trainers do not oversubscribe the cores.
+    torch.set_num_threads(1)
+    server = SamplerServer(cfg)
 
     def on_signal(signum, _frame):
         server.stop()
@@ -56,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     m = server.store.meta
     print(dumps_strict({"event": "serving", "endpoint": server.endpoint, "part_id": cfg.part_id,
-                      "num_parts": m.num_parts, "part_nodes": server.store.end - server.store.start,
-                      "dataset": m.dataset}), file=sys.stderr, flush=True)
+                        "num_parts": m.num_parts,
+                        "part_nodes": server.store.end - server.store.start,
+                        "dataset": m.dataset}), file=sys.stderr, flush=True)
     server.serve_forever()
     if server.fatal:
-        print(f"sampler-server: error: {server.fatal}", file=sys.stderr)
-        return 1
+        raise ChildFailedError(str(server.fatal))
     return 0
 
 
