@@ -41,6 +41,7 @@ from common.messages import (
     StatsRequest,
 )
 from common.rpc import RpcChannel, expect
+from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import new_token_file
 from deploy.processes import ProcessGroup
@@ -125,11 +126,10 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
         slots: dict[int, int] = {}
 
         def send() -> None:
-            req = SampleRequest(seeds=next(stream), fanouts=list(fanouts))
             slot = ring.acquire() if ring is not None else None
-            if slot is not None:
-                ring.ref(slot).attach(req)
-            rid = ch.send(req)  # type: ignore[union-attr]
+            rid = ch.send(SampleRequest(  # type: ignore[union-attr]
+                seeds=next(stream), fanouts=list(fanouts),
+                slot=ring.ref(slot) if slot is not None else None))  # type: ignore[union-attr]
             if slot is not None:
                 slots[rid] = slot
 
@@ -142,19 +142,20 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
             sent += 1
         while received < total:
             msg, rid = ch.recv(waiting_for="a sampled MFG")
-            reply = expect(msg, MFGReply, ep)
-            if reply.shm_error:
-                raise ServerBenchError(f"the server could not use the ring: {reply.shm_error}")
+            mfg = expect(msg, MFGReply, ep).mfg
+            feat = mfg.only.feat
+            if feat.slot_error:
+                raise ServerBenchError(f"the server could not use the ring: {feat.slot_error}")
             if rid in slots:
-                in_ring += reply.feat_shm_rows >= 0
+                in_ring += feat.via == FEAT_RING
                 ring.release(slots.pop(rid))  # type: ignore[union-attr]
             received += 1
             if received == warmup:  # timing starts once the warm-up replies are in
                 t0, bytes0 = time.perf_counter(), ch.bytes_received
             elif received > warmup:
-                seeds_done += reply.label.numel()
-                input_nodes += reply.input_nodes.numel()
-            del reply
+                seeds_done += mfg.output_nodes.numel()
+                input_nodes += mfg.input_nodes.numel()
+            del mfg, feat
             if sent < total:
                 send()
                 sent += 1

@@ -27,6 +27,7 @@ import zmq
 
 from common import codec
 from common.messages import MFGReply
+from common.sampled_mfg import Features, Layer, SampledMFG
 
 RECEIVER = r"""
 import sys, time, json, zmq
@@ -42,7 +43,8 @@ for i in range(count):
         continue
     if mode == "codec":
         msg, _ = codec.decode(frames)
-        payload += msg.feat.numel() * msg.feat.element_size()
+        rows = msg.mfg.only.feat.rows
+        payload += rows.numel() * rows.element_size()
     else:
         payload += len(frames[0])
 dt = time.perf_counter() - t0
@@ -51,14 +53,13 @@ print(json.dumps({"mb_per_s": payload / dt / 1e6, "seconds": dt, "messages": cou
 
 
 def _message(payload_bytes: int) -> MFGReply:
-    rows = payload_bytes // (100 * 4)
-    n = max(rows, 1)
-    return MFGReply(input_nodes=torch.arange(n), num_src=[n], num_dst=[min(n, 1024)],
-                    indptr=[torch.zeros(min(n, 1024) + 1, dtype=torch.int64)],
-                    indices=[torch.empty(0, dtype=torch.int64)],
-                    feat=torch.randn(rows, 100), label=torch.zeros(min(n, 1024),
-                                                                    dtype=torch.int64),
-                    feat_present=torch.empty(0, dtype=torch.bool))
+    n = max(payload_bytes // (100 * 4), 1)
+    seeds = min(n, 1024)
+    layer = Layer.homogeneous(n, seeds, torch.zeros(seeds + 1, dtype=torch.int64),
+                              torch.empty(0, dtype=torch.int64))
+    return MFGReply(mfg=SampledMFG.homogeneous(torch.arange(n), [layer],
+                                               Features.frames(torch.randn(n, 100)),
+                                               torch.zeros(seeds, dtype=torch.int64)))
 
 
 def measure(endpoint: str, mode: str, mb: float, count: int) -> dict:

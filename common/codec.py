@@ -4,20 +4,30 @@ Frame layout of every message::
 
     frame 0      msgpack header {"v": protocol version, "t": MsgType, "id": request id,
                                  "s": {scalar field: value},
-                                 "d": [[tensor field name, dtype, shape], ...]}
+                                 "d": [[tensor path, dtype, shape], ...]}
     frame 1..n   raw bytes of tensor i (C order), one frame per descriptor in "d"
+
+A field may be a nested struct (a :class:`~common.struct.Struct` dataclass), an optional one
+(``X | None``, left out of the header when None) or a list of them. A struct's scalar fields
+nest in the header (``"s": {"mfg": {"layers": [{"num_src": [5]}, ...]}}``); its tensors are
+frames whose descriptor names the path to them: field names and list positions joined by dots
+(``"mfg.layers.0.rels.0.indptr"``). The header alone decides which structs exist; a
+descriptor may only name a tensor field of one of them. A ``list[Tensor]`` field's tensors
+repeat its path, in order.
 
 Tensors are sent without copying (``copy=False`` on the socket; the frames here are
 memoryviews of the tensors) and decoded without copying (``torch.frombuffer`` on the received
 frame). Nothing is ever pickled. :func:`decode` validates every header field (version, type,
-id bounds, scalar types, dtype whitelist, shapes against frame lengths, total size) and then
-the message's own :meth:`check`; any violation raises :class:`ProtocolError` with a code.
+id bounds, scalar types, struct shapes, nesting bounds, dtype whitelist, shapes against frame
+lengths, total size) and then every struct's and the message's own :meth:`check`, innermost
+first; any violation raises :class:`ProtocolError` with a code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 import warnings
 from collections.abc import Sequence
@@ -29,6 +39,7 @@ from torch import Tensor
 
 from common.errors import ProtocolError
 from common.messages import MESSAGE_CLASSES, PROTOCOL_VERSION, Message, MsgType
+from common.struct import Struct
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID = 2**63 - 1
@@ -36,6 +47,8 @@ MAX_TENSORS = 64
 MAX_NDIM = 4
 MAX_LIST_LEN = 1024
 MAX_STR_LEN = 4096
+MAX_DEPTH = 4  # struct nesting below a message (checked on the classes, so also on receipt)
+MAX_STRUCTS = 1024  # nested structs in one message
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 
 DTYPES: dict[str, torch.dtype] = {
@@ -46,45 +59,66 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # Field kinds, derived once per class from its annotations.
-_TENSOR, _TENSOR_LIST, _INT, _FLOAT, _STR, _BOOL, _INT_LIST, _FLOAT_DICT = range(8)
+(_TENSOR, _TENSOR_LIST, _INT, _FLOAT, _STR, _BOOL, _INT_LIST, _FLOAT_DICT, _STRUCT,
+ _STRUCT_LIST) = range(10)
+_TENSOR_KINDS = (_TENSOR, _TENSOR_LIST)
 
 
-def _kind_of(tp: Any) -> int:
-    if tp is Tensor:
-        return _TENSOR
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is list and args == (Tensor,):
-        return _TENSOR_LIST
-    if origin is list and args == (int,):
-        return _INT_LIST
-    if origin is dict and args == (str, float):
-        return _FLOAT_DICT
-    simple = {int: _INT, float: _FLOAT, str: _STR, bool: _BOOL}
-    if tp in simple:
-        return simple[tp]
-    raise TypeError(f"unsupported message field type {tp}")
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    kind: int
+    required: bool
+    sub: _Schema | None = None  # the struct's schema, for _STRUCT / _STRUCT_LIST
 
 
 @dataclasses.dataclass(frozen=True)
 class _Schema:
-    cls: type[Message]
-    fields: tuple[tuple[str, int, bool], ...]  # (name, kind, required)
+    cls: type[Struct]
+    fields: tuple[_Field, ...]
 
-    @property
-    def tensor_fields(self) -> dict[str, int]:
-        return {n: k for n, k, _ in self.fields if k in (_TENSOR, _TENSOR_LIST)}
-
-    @property
-    def scalar_fields(self) -> dict[str, tuple[int, bool]]:
-        return {n: (k, r) for n, k, r in self.fields if k not in (_TENSOR, _TENSOR_LIST)}
+    def field(self, name: str) -> _Field | None:
+        return next((f for f in self.fields if f.name == name), None)
 
 
-def _schema(cls: type[Message]) -> _Schema:
+def _is_struct(tp: Any) -> bool:
+    return (isinstance(tp, type) and issubclass(tp, Struct) and not issubclass(tp, Message)
+            and dataclasses.is_dataclass(tp))
+
+
+def _kind_of(tp: Any, depth: int) -> tuple[int, _Schema | None]:
+    if tp is Tensor:
+        return _TENSOR, None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = args[0] if args[1] is type(None) else args[1]
+        if _is_struct(inner):  # X | None: an optional struct
+            return _STRUCT, _schema(inner, depth + 1)
+    if _is_struct(tp):
+        return _STRUCT, _schema(tp, depth + 1)
+    if origin is list and len(args) == 1 and _is_struct(args[0]):
+        return _STRUCT_LIST, _schema(args[0], depth + 1)
+    if origin is list and args == (Tensor,):
+        return _TENSOR_LIST, None
+    if origin is list and args == (int,):
+        return _INT_LIST, None
+    if origin is dict and args == (str, float):
+        return _FLOAT_DICT, None
+    simple = {int: _INT, float: _FLOAT, str: _STR, bool: _BOOL}
+    if tp in simple:
+        return simple[tp], None
+    raise TypeError(f"unsupported message field type {tp}")
+
+
+def _schema(cls: type[Struct], depth: int = 0) -> _Schema:
+    if depth > MAX_DEPTH:
+        raise TypeError(f"{cls.__name__} nests structs deeper than {MAX_DEPTH}")
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append((f.name, _kind_of(hints[f.name]), required))
+        kind, sub = _kind_of(hints[f.name], depth)
+        out.append(_Field(f.name, kind, required, sub))
     return _Schema(cls, tuple(out))
 
 
@@ -103,34 +137,48 @@ def _tensor_bytes(t: Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+class _Encoder:
+    def __init__(self) -> None:
+        self.descs: list[list[Any]] = []  # [path, dtype, shape] per tensor
+        self.buffers: list[memoryview] = []
+
+    def tensor(self, path: str, t: Tensor) -> None:
+        if t.dtype not in DTYPE_NAMES:
+            raise ProtocolError("bad_dtype", f"{path}: dtype {t.dtype} is not sendable")
+        self.descs.append([path, DTYPE_NAMES[t.dtype], list(t.shape)])
+        self.buffers.append(_tensor_bytes(t))
+
+    def obj(self, obj: Struct, schema: _Schema, prefix: str) -> dict[str, Any]:
+        """``obj``'s header map; its tensors (nested ones too) go to descs/buffers."""
+        head: dict[str, Any] = {}
+        for f in schema.fields:
+            value, path = getattr(obj, f.name), prefix + f.name
+            if f.kind == _TENSOR:
+                self.tensor(path, value)
+            elif f.kind == _TENSOR_LIST:
+                for t in value:
+                    self.tensor(path, t)
+            elif f.kind == _STRUCT:
+                if value is not None:  # an optional struct that is None is left out
+                    head[f.name] = self.obj(value, f.sub, path + ".")  # type: ignore[arg-type]
+            elif f.kind == _STRUCT_LIST:
+                head[f.name] = [self.obj(x, f.sub, f"{path}.{i}.")  # type: ignore[arg-type]
+                                for i, x in enumerate(value)]
+            else:
+                head[f.name] = value
+        return head
+
+
 def encode(msg: Message, request_id: int) -> list[Any]:
     """Frames of ``msg``: the header, then one buffer per tensor (send with copy=False)."""
-    schema = SCHEMAS[msg.TYPE]
-    scalars: dict[str, Any] = {}
-    descs: list[list[Any]] = []
-    buffers: list[memoryview] = []
-
-    def add(name: str, t: Tensor) -> None:
-        if t.dtype not in DTYPE_NAMES:
-            raise ProtocolError("bad_dtype", f"{name}: dtype {t.dtype} is not sendable")
-        descs.append([name, DTYPE_NAMES[t.dtype], list(t.shape)])
-        buffers.append(_tensor_bytes(t))
-
-    for name, kind, _ in schema.fields:
-        value = getattr(msg, name)
-        if kind == _TENSOR:
-            add(name, value)
-        elif kind == _TENSOR_LIST:
-            for t in value:
-                add(name, t)
-        else:
-            scalars[name] = value
+    enc = _Encoder()
+    scalars = enc.obj(msg, SCHEMAS[msg.TYPE], "")
     header = msgpack.packb(
         {"v": PROTOCOL_VERSION, "t": int(msg.TYPE), "id": int(request_id), "s": scalars,
-         "d": descs},
+         "d": enc.descs},
         use_bin_type=True,
     )
-    return [header, *buffers]
+    return [header, *enc.buffers]
 
 
 def _frame_bytes(frame: Any) -> memoryview:
@@ -178,6 +226,103 @@ def _check_scalar(name: str, kind: int, v: Any) -> Any:
     return v
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A struct being decoded: its arguments so far (scalars, nested _Pending, tensors)."""
+
+    schema: _Schema
+    where: str
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class _Decoder:
+    def __init__(self) -> None:
+        self.structs = 0
+
+    def parse(self, schema: _Schema, head: Any, where: str) -> _Pending:
+        """A struct's header map, checked against its schema (tensors come later)."""
+        if not isinstance(head, dict):
+            raise ProtocolError("bad_field", f"{where} must be a map, got {type(head).__name__}")
+        names = {f.name for f in schema.fields if f.kind not in _TENSOR_KINDS}
+        extra = set(head) - names
+        if extra:
+            raise ProtocolError("bad_field", f"unknown field(s) {sorted(map(str, extra))} "
+                                f"for {where}")
+        p = _Pending(schema, where)
+        for f in schema.fields:
+            if f.kind == _TENSOR_LIST:
+                p.kwargs[f.name] = []
+            if f.kind in _TENSOR_KINDS:
+                continue
+            if f.name not in head:
+                if f.required:
+                    raise ProtocolError("missing_field", f"{where} lacks field {f.name!r}")
+                continue
+            p.kwargs[f.name] = self.value(f, head[f.name], f"{where}.{f.name}")
+        return p
+
+    def value(self, f: _Field, v: Any, where: str) -> Any:
+        if f.kind == _STRUCT:
+            self.count(1)
+            return self.parse(f.sub, v, where)  # type: ignore[arg-type]
+        if f.kind == _STRUCT_LIST:
+            if not isinstance(v, list):
+                raise ProtocolError("bad_field", f"{where} must be a list of maps")
+            self.count(len(v))
+            return [self.parse(f.sub, x, f"{where}.{i}")  # type: ignore[arg-type]
+                    for i, x in enumerate(v)]
+        return _check_scalar(f.name, f.kind, v)
+
+    def count(self, n: int) -> None:
+        self.structs += n
+        if self.structs > MAX_STRUCTS:
+            raise ProtocolError("bad_field", f"more than {MAX_STRUCTS} nested structs")
+
+    @staticmethod
+    def place(root: _Pending, path: str, t: Tensor) -> None:
+        """Put tensor ``t`` where descriptor ``path`` says, in a struct the header made."""
+        node, parts = root, path.split(".")
+        i = 0
+        while True:
+            f = node.schema.field(parts[i])
+            last = i == len(parts) - 1
+            if f is not None and f.kind in _TENSOR_KINDS and last:
+                break
+            child = None if f is None or last else node.kwargs.get(f.name)
+            if f is not None and f.kind == _STRUCT_LIST and child is not None:
+                i += 1
+                idx = parts[i]
+                ok = idx.isascii() and idx.isdigit() and len(idx) < 6 and idx == str(int(idx))
+                child = child[int(idx)] if ok and int(idx) < len(child) else None
+            if child is None or i == len(parts) - 1 or not isinstance(child, _Pending):
+                raise ProtocolError("bad_descriptor", f"{root.where} has no tensor {path!r} "
+                                    "(a tensor field of a struct in the header)")
+            node, i = child, i + 1
+        if f.kind == _TENSOR_LIST:
+            node.kwargs[f.name].append(t)
+        elif f.name in node.kwargs:
+            raise ProtocolError("bad_descriptor", f"tensor field {path!r} appears twice")
+        else:
+            node.kwargs[f.name] = t
+
+    def build(self, p: _Pending) -> Any:
+        """The struct (nested ones first), constructed and checked."""
+        kw = p.kwargs
+        missing = []
+        for f in p.schema.fields:
+            if f.kind == _STRUCT and f.name in kw:
+                kw[f.name] = self.build(kw[f.name])
+            elif f.kind == _STRUCT_LIST and f.name in kw:
+                kw[f.name] = [self.build(x) for x in kw[f.name]]
+            elif f.kind == _TENSOR and f.name not in kw:
+                missing.append(f.name)
+        if missing:
+            raise ProtocolError("missing_field", f"{p.where} lacks tensor(s) {missing}")
+        obj = p.schema.cls(**kw)
+        obj.check()
+        return obj
+
+
 def _tensor_from_frame(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> Tensor:
     if buf.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -187,14 +332,9 @@ def _tensor_from_frame(buf: memoryview, dtype: torch.dtype, shape: list[int]) ->
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def decode(frames: Sequence[Any],
-           max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Message, int]:
-    """Validate and decode frames into ``(message, request_id)``; raises ProtocolError."""
-    if not frames:
-        raise ProtocolError("empty", "message has no frames")
-    if len(frames) > MAX_TENSORS + 1:
-        raise ProtocolError("too_many_frames", f"{len(frames)} frames exceed {MAX_TENSORS + 1}")
-    views = [_frame_bytes(f) for f in frames]
+def _read_header(views: list[memoryview], max_message_bytes: int) -> dict:
+    if len(views) > MAX_TENSORS + 1:
+        raise ProtocolError("too_many_frames", f"{len(views)} frames exceed {MAX_TENSORS + 1}")
     total = sum(v.nbytes for v in views)
     if total > max_message_bytes:
         raise ProtocolError("too_large", f"message of {total} bytes exceeds the cap of "
@@ -214,65 +354,53 @@ def decode(frames: Sequence[Any],
     rid = head["id"]
     if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid <= MAX_REQUEST_ID:
         raise ProtocolError("bad_request_id", f"request id {rid!r} is not in [0, 2^63)")
+    if not isinstance(head["s"], dict) or not isinstance(head["d"], list):
+        raise ProtocolError("bad_header", "header fields s/d must be a map and a list")
+    return head
+
+
+def _read_tensor(i: int, desc: Any, view: memoryview, max_message_bytes: int
+                 ) -> tuple[str, Tensor]:
+    if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)
+            and isinstance(desc[1], str) and isinstance(desc[2], list)):
+        raise ProtocolError("bad_descriptor", f"tensor descriptor {i} must be "
+                            "[name, dtype, shape]")
+    name, dname, shape = desc
+    if dname not in DTYPES:
+        raise ProtocolError("bad_dtype", f"dtype {dname!r} of {name!r} is not one of "
+                            f"{sorted(DTYPES)}")
+    if (len(shape) > MAX_NDIM
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape)):
+        raise ProtocolError("bad_shape", f"shape {shape!r} of {name!r} is invalid")
+    dtype = DTYPES[dname]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes != view.nbytes:
+        raise ProtocolError("size_mismatch", f"{name!r} of shape {shape} {dname} needs "
+                            f"{nbytes} bytes, its frame has {view.nbytes}")
+    if nbytes == 0 and math.prod(max(s, 1) for s in shape) > max_message_bytes:
+        # an empty tensor's other dims are unchecked by the size test; torch overflows on them
+        raise ProtocolError("bad_shape", f"shape {shape!r} of empty {name!r} is too large")
+    return name, _tensor_from_frame(view, dtype, shape)
+
+
+def decode(frames: Sequence[Any],
+           max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Message, int]:
+    """Validate and decode frames into ``(message, request_id)``; raises ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty", "message has no frames")
+    views = [_frame_bytes(f) for f in frames]
+    head = _read_header(views, max_message_bytes)
     try:
         mtype = MsgType(head["t"])
     except (ValueError, TypeError):
         raise ProtocolError("unknown_type", f"message type {head['t']!r} is unknown") from None
-    schema = SCHEMAS[mtype]
-    scalars, descs = head["s"], head["d"]
-    if not isinstance(scalars, dict) or not isinstance(descs, list):
-        raise ProtocolError("bad_header", "header fields s/d must be a map and a list")
-    known = schema.scalar_fields
-    extra = set(scalars) - set(known)
-    if extra:
-        raise ProtocolError("bad_field", f"unknown field(s) {sorted(map(str, extra))} "
-                            f"for {mtype.name}")
-    kwargs: dict[str, Any] = {}
-    for name, (kind, required) in known.items():
-        if name not in scalars:
-            if required:
-                raise ProtocolError("missing_field", f"{mtype.name} lacks field {name!r}")
-            continue
-        kwargs[name] = _check_scalar(name, kind, scalars[name])
+    dec = _Decoder()
+    root = dec.parse(SCHEMAS[mtype], head["s"], mtype.name)
+    descs = head["d"]
     if len(descs) != len(views) - 1:
         raise ProtocolError("frame_count", f"header describes {len(descs)} tensors but "
                             f"{len(views) - 1} tensor frames arrived")
-    tfields = schema.tensor_fields
-    for name, kind in tfields.items():
-        if kind == _TENSOR_LIST:
-            kwargs[name] = []
     for i, desc in enumerate(descs):
-        if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)
-                and isinstance(desc[1], str) and isinstance(desc[2], list)):
-            raise ProtocolError("bad_descriptor", f"tensor descriptor {i} must be "
-                                "[name, dtype, shape]")
-        name, dname, shape = desc
-        if name not in tfields:
-            raise ProtocolError("bad_descriptor", f"{mtype.name} has no tensor field {name!r}")
-        if dname not in DTYPES:
-            raise ProtocolError("bad_dtype", f"dtype {dname!r} of {name!r} is not one of "
-                                f"{sorted(DTYPES)}")
-        if (len(shape) > MAX_NDIM
-                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape)):
-            raise ProtocolError("bad_shape", f"shape {shape!r} of {name!r} is invalid")
-        dtype = DTYPES[dname]
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes != views[i + 1].nbytes:
-            raise ProtocolError("size_mismatch", f"{name!r} of shape {shape} {dname} needs "
-                                f"{nbytes} bytes, its frame has {views[i + 1].nbytes}")
-        if nbytes == 0 and math.prod(max(s, 1) for s in shape) > max_message_bytes:
-            # an empty tensor's other dims are unchecked by the size test; torch overflows on them
-            raise ProtocolError("bad_shape", f"shape {shape!r} of empty {name!r} is too large")
-        t = _tensor_from_frame(views[i + 1], dtype, shape)
-        if tfields[name] == _TENSOR_LIST:
-            kwargs[name].append(t)
-        elif name in kwargs:
-            raise ProtocolError("bad_descriptor", f"tensor field {name!r} appears twice")
-        else:
-            kwargs[name] = t
-    missing = [n for n, k in tfields.items() if k == _TENSOR and n not in kwargs]
-    if missing:
-        raise ProtocolError("missing_field", f"{mtype.name} lacks tensor(s) {missing}")
-    msg = schema.cls(**kwargs)
-    msg.check()
-    return msg, rid
+        path, t = _read_tensor(i, desc, views[i + 1], max_message_bytes)
+        dec.place(root, path, t)
+    return dec.build(root), head["id"]

@@ -15,11 +15,17 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from common.errors import ProtocolError
 from common.limits import MAX_FANOUT, MAX_LAYERS
+from common.sampled_mfg import SampledMFG
+from common.shm_ring import SlotRef
+from common.struct import MAX_ID, Struct  # noqa: F401 (MAX_ID is re-exported)
+from common.struct import check_ids as _check_ids
+from common.struct import check_unique as _check_unique
+from common.struct import need as _need
 
-PROTOCOL_VERSION = 2  # 2: partition-set ids (set_id), Shutdown token
-MAX_ID = 2**62  # node ids, part ids and counts are checked against this bound
+# 2: partition-set ids (set_id), Shutdown token; 3: nested structs: the MFG reply carries a
+# SampledMFG, SAMPLE's ring slot is one SlotRef
+PROTOCOL_VERSION = 3
 FEAT_TRANSFER_DTYPES = {"": None, "float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}
 
@@ -47,32 +53,10 @@ class MsgType(IntEnum):
 
 
 @dataclass
-class Message:
+class Message(Struct):
     """Base of all messages. ``TYPE`` is the enum value; ``check`` validates semantics."""
 
     TYPE: ClassVar[MsgType]
-
-    def check(self) -> None:  # overridden where there is something to check
-        return None
-
-
-def _need(cond: bool, code: str, msg: str) -> None:
-    if not cond:
-        raise ProtocolError(code, msg)
-
-
-def _check_ids(t: Tensor, name: str, upper: int | None = None) -> None:
-    _need(t.dtype == torch.int64 and t.dim() == 1, "bad_tensor",
-          f"{name} must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}")
-    if t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        bound = MAX_ID if upper is None else upper
-        _need(lo >= 0 and hi < bound, "id_out_of_range",
-              f"{name} holds ids in [{lo}, {hi}], outside [0, {bound})")
-
-
-def _check_unique(t: Tensor, name: str) -> None:
-    _need(torch.unique(t).numel() == t.numel(), "bad_tensor", f"{name} must be unique")
 
 
 def _check_fanouts(fanouts: list[int]) -> None:
@@ -129,22 +113,13 @@ class SampleRequest(Message):
     feat_dtype: str = ""  # "" = as stored; "float16"/"bfloat16" halve the feature bytes
     cache_ratio: float = 0.0  # the trainer caches the nodes CacheFillRequest(ratio) returns
     # A slot of the trainer's shared-memory ring (common.shm_ring) to gather the features
-    # into, for a server on the same host; shm_fd < 0: no slot, features on the wire.
-    shm_pid: int = 0
-    shm_fd: int = -1
-    shm_token: str = ""
-    shm_offset: int = 0
-    shm_capacity: int = 0
+    # into, for a server on the same host; None: features on the wire.
+    slot: SlotRef | None = None
     set_id: str = ""  # the partition set the sender expects; "" = not checked
 
     def check(self) -> None:
         _check_set_id(self.set_id)
         _check_ids(self.seeds, "seeds")
-        if self.shm_fd >= 0:
-            _need(self.shm_pid > 0 and self.shm_offset > 0 and self.shm_capacity >= 0
-                  and len(self.shm_token) == 32, "bad_field",
-                  "shm_pid/shm_offset must be positive, shm_capacity >= 0 and shm_token "
-                  "32 hex digits when shm_fd is set")
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
         _check_unique(self.seeds, "seeds")
         _check_fanouts(self.fanouts)
@@ -156,62 +131,12 @@ class SampleRequest(Message):
 
 @dataclass
 class MFGReply(Message):
-    """One sampled MFG. Layer l's source nodes are ``input_nodes[:num_src[l]]`` and its
-    destination nodes ``input_nodes[:num_dst[l]]`` (destination nodes first among sources);
-    ``indptr[l]`` / ``indices[l]`` are its CSC (indices are local source positions).
-    ``feat_present`` is empty when ``feat`` has a row per input node; otherwise it is a bool
-    per input node and ``feat`` holds rows only where it is True (the trainer caches the rest).
-    """
+    """One sampled MFG (common.sampled_mfg: its structure, node ids, features and labels, with
+    their invariants) and the server's timings."""
 
     TYPE = MsgType.MFG
-    input_nodes: Tensor
-    num_src: list[int]
-    num_dst: list[int]
-    indptr: list[Tensor]
-    indices: list[Tensor]
-    feat: Tensor
-    label: Tensor
-    feat_present: Tensor
+    mfg: SampledMFG
     timings: dict[str, float] = field(default_factory=dict)
-    # >= 0: the features (that many rows, dtype/width as ``feat``'s) are in the request's
-    # shared-memory slot and ``feat`` has no rows. ``shm_error``: why the slot was not used.
-    feat_shm_rows: int = -1
-    shm_error: str = ""
-
-    def check(self) -> None:
-        n = len(self.num_src)
-        _need(n == len(self.num_dst) == len(self.indptr) == len(self.indices) and 1 <= n <= MAX_LAYERS,
-              "bad_mfg", "MFG layer lists differ in length")
-        _check_ids(self.input_nodes, "input_nodes")
-        _need(self.num_src[0] == self.input_nodes.numel(), "bad_mfg",
-              "input layer's num_src must equal len(input_nodes)")
-        for layer in range(n):
-            ns, nd = self.num_src[layer], self.num_dst[layer]
-            ip, ix = self.indptr[layer], self.indices[layer]
-            _need(0 <= nd <= ns <= self.input_nodes.numel(), "bad_mfg",
-                  f"layer {layer}: need 0 <= num_dst <= num_src <= len(input_nodes)")
-            _need(ip.dtype == torch.int64 and ip.shape == (nd + 1,), "bad_mfg",
-                  f"layer {layer}: indptr must be int64 of length num_dst+1")
-            _need(ix.dtype == torch.int64 and ix.dim() == 1, "bad_mfg",
-                  f"layer {layer}: indices must be 1-D int64")
-            _need(int(ip[0]) == 0 and int(ip[-1]) == ix.numel() and bool((ip[1:] >= ip[:-1]).all()),
-                  "bad_mfg", f"layer {layer}: indptr must rise from 0 to len(indices)")
-            if ix.numel():
-                _need(int(ix.min()) >= 0 and int(ix.max()) < ns, "bad_mfg",
-                      f"layer {layer}: indices outside [0, num_src)")
-            if layer + 1 < n:
-                _need(self.num_src[layer + 1] == nd, "bad_mfg",
-                      f"layer {layer + 1}'s sources must be layer {layer}'s destinations")
-        fp = self.feat_present
-        rows = self.feat.shape[0] if self.feat.dim() == 2 else -1
-        if self.feat_shm_rows >= 0:
-            _need(rows == 0, "bad_mfg", "feat must have no rows when feat_shm_rows is set")
-            rows = self.feat_shm_rows
-        if fp.numel():
-            _need(fp.dtype == torch.bool and fp.shape == self.input_nodes.shape, "bad_mfg",
-                  "feat_present must be a bool per input node")
-            _need(rows == int(fp.sum()), "bad_mfg",
-                  "feat must hold one row per True in feat_present")
 
 
 @dataclass

@@ -1,16 +1,11 @@
-"""The message-flow graph (MFG) type: DGL's "blocks" in plain torch, on any device.
+"""The trainer's view of a sampled MFG: DGL's "blocks" in plain torch, on any device.
 
-An :class:`MFG` is a list of :class:`Block` s, input layer first. Invariants (checked by the
-codec on receipt and by tests against DGL):
-
-* Block l has ``num_dst_nodes() <= num_src_nodes()`` and its destination nodes are the first
-  ``num_dst_nodes()`` of its source nodes (DGL's block convention).
-* Block l+1's source nodes are exactly block l's destination nodes.
-* All node id lists are prefixes of ``input_nodes``: block l's sources are
-  ``input_nodes[:num_src[l]]``, its destinations ``input_nodes[:num_dst[l]]``;
-  ``output_nodes`` (the seeds) are the last block's destinations.
-* Edges are stored as CSC: the sampled in-edges of destination i are
-  ``indices[indptr[i]:indptr[i+1]]`` (local source positions).
+An :class:`MFG` is a list of :class:`Block` s, input layer first, built from the sampler's
+output (:class:`~common.sampled_mfg.SampledMFG`, whose ``check()`` states and enforces the
+invariants: destinations first among sources, ids as prefixes of ``input_nodes``, CSC
+consistency) by :meth:`MFG.of`, which shares its tensors (no copy). Block l's source ids are
+``srcdata[NID]`` (``input_nodes[:num_src]``), its destination ids ``dstdata[NID]``;
+``output_nodes`` (the seeds) are the last block's destinations.
 """
 
 from __future__ import annotations
@@ -20,6 +15,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
+
+from common.sampled_mfg import FEAT_FRAMES, SampledMFG
 
 NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
 
@@ -132,16 +129,28 @@ class MFG(Sequence[Block]):
         self.output_nodes = output_nodes
 
     @classmethod
-    def from_csc(cls, input_nodes: Tensor, num_src: Sequence[int], num_dst: Sequence[int],
-                 indptr: Sequence[Tensor], indices: Sequence[Tensor]) -> MFG:
-        """Build blocks from per-layer CSC arrays; sets srcdata/dstdata[NID] as prefixes."""
+    def of(cls, sampled: SampledMFG, feat: Tensor | None = None) -> MFG:
+        """The blocks of a (homogeneous) sampled MFG, sharing its tensors. ``feat``: the
+        input features (``blocks[0].srcdata["feat"]``); by default the rows that came in
+        frames, if all of them did. Labels go to ``blocks[-1].dstdata["label"]``."""
+        nodes = sampled.only
+        if any(len(layer.rels) != 1 for layer in sampled.layers):
+            raise ValueError("an MFG of several relations is heterogeneous; Block holds one")
+        ids = nodes.ids
         blocks = []
-        for ns, nd, ip, ix in zip(num_src, num_dst, indptr, indices):
-            b = Block(ip, ix, ns, nd)
-            b.srcdata[NID] = input_nodes[:ns]
-            b.dstdata[NID] = input_nodes[:nd]
+        for layer in sampled.layers:
+            (rel,), ns, nd = layer.rels, layer.num_src[0], layer.num_dst[0]
+            b = Block(rel.indptr, rel.indices, ns, nd)
+            b.srcdata[NID] = ids[:ns]
+            b.dstdata[NID] = ids[:nd]
             blocks.append(b)
-        return cls(blocks, input_nodes, input_nodes[: num_dst[-1]])
+        f = nodes.feat
+        if feat is None and f.via == FEAT_FRAMES and not f.present.numel():
+            feat = f.rows
+        if feat is not None:
+            blocks[0].srcdata["feat"] = feat
+        blocks[-1].dstdata["label"] = nodes.label
+        return cls(blocks, ids, sampled.output_nodes)
 
     def __getitem__(self, i):  # type: ignore[override]
         return self.blocks[i]

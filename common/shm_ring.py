@@ -10,13 +10,14 @@ How:
   behind if it dies: the kernel frees it once the last mapping goes), maps it, writes a header
   (magic, random token, slot geometry) and, with CUDA, page-locks it (``cudaHostRegister``) so
   that host-to-device copies can be non-blocking.
-* A :class:`~common.messages.SampleRequest` names a free slot: the trainer's pid, the memfd's
-  fd number, the token, the slot's offset and capacity. A server on the same host opens
-  ``/proc/<pid>/fd/<fd>`` (the kernel allows it only for the same user), checks that it is an
-  unlinked memfd whose header carries the token, gathers the feature rows into the slot and
-  replies ``feat_shm_rows=n`` with an empty ``feat`` frame. A server elsewhere cannot open it
-  and replies with the features on the wire plus ``shm_error`` saying why; the trainer then
-  stops offering slots to that server. A reply too large for its slot also goes on the wire.
+* A :class:`~common.messages.SampleRequest` names a free slot in its ``slot`` field (a
+  :class:`SlotRef`): the trainer's pid, the memfd's fd number, the token, the slot's offset
+  and capacity. A server on the same host opens ``/proc/<pid>/fd/<fd>`` (the kernel allows it
+  only for the same user), checks that it is an unlinked memfd whose header carries the token,
+  gathers the feature rows into the slot and replies with features ``via="ring"``
+  (common.sampled_mfg.Features). A server elsewhere cannot open it and replies with the
+  features on the wire plus ``slot_error`` saying why; the trainer then stops offering slots
+  to that server. A reply too large for its slot also goes on the wire.
 * A slot is free again when every tensor viewing it is gone (a finalizer on the array the
   tensors share) and, with CUDA, when the copy out of it has completed (an event). A slot
   whose request was re-sent elsewhere (failover) or abandoned is never reused: the first
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 
 from common.errors import MfgServeError
+from common.struct import Struct, need
 
 log = logging.getLogger("mfgserve.shm")
 
@@ -56,8 +58,9 @@ def _round_up(n: int, to: int) -> int:
 
 
 @dataclass(frozen=True)
-class SlotRef:
-    """What a request carries so that a server can find the slot (see module doc)."""
+class SlotRef(Struct):
+    """What a request carries so that a server can find the slot (see module doc); a nested
+    struct of SampleRequest (``slot``)."""
 
     pid: int
     fd: int
@@ -65,15 +68,12 @@ class SlotRef:
     offset: int
     capacity: int
 
-    def attach(self, req) -> None:
-        """Name this slot in ``req`` (a SampleRequest's ``shm_*`` fields)."""
-        req.shm_pid, req.shm_fd, req.shm_token = self.pid, self.fd, self.token
-        req.shm_offset, req.shm_capacity = self.offset, self.capacity
-
-    @classmethod
-    def of(cls, req) -> SlotRef:
-        """The slot ``req`` names (its ``shm_fd`` must be >= 0)."""
-        return cls(req.shm_pid, req.shm_fd, req.shm_token, req.shm_offset, req.shm_capacity)
+    def check(self) -> None:
+        need(self.pid > 0 and self.fd >= 0 and self.offset > 0 and self.capacity >= 0,
+             "bad_field", "a ring slot needs pid > 0, fd >= 0, offset > 0 and capacity >= 0")
+        need(len(self.token) == 2 * TOKEN_BYTES and all(c in "0123456789abcdef"
+                                                        for c in self.token),
+             "bad_field", f"a ring slot's token is {2 * TOKEN_BYTES} lowercase hex digits")
 
 
 def max_input_rows(batch_size: int, fanouts: list[int], num_nodes: int) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.sampled_mfg import Layer, SampledMFG
 from sampler_server.partition_store import PartitionStore, merge_neighbors
 
 
@@ -170,19 +171,9 @@ class DistributedNeighbors:
         return res
 
 
-@dataclass
-class SampledMFG:
-    """Per-layer CSC (input layer first) plus node ids; see common.mfg for the invariants."""
-
-    input_nodes: Tensor
-    num_src: list[int]
-    num_dst: list[int]
-    indptr: list[Tensor]
-    indices: list[Tensor]
-
-
 def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbors) -> SampledMFG:
-    """Sample an MFG for unique ``seeds``; ``fanouts[0]`` is the input layer's fanout."""
+    """Sample an MFG for unique ``seeds`` (``fanouts[0]`` is the input layer's fanout), without
+    features or labels yet (:meth:`SampledMFG.with_data` adds them)."""
     nodes = seeds
     layers = []
     for fanout in reversed(fanouts):
@@ -191,14 +182,8 @@ def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbor
         all_nodes, src_local = relabel(nodes, src, neighbors.scratch)
         indptr = torch.zeros(nodes.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])
-        layers.append((all_nodes.numel(), nodes.numel(), indptr, src_local))
+        layers.append(Layer.homogeneous(all_nodes.numel(), nodes.numel(), indptr, src_local))
         neighbors.timings.sample_s += time.perf_counter() - t0
         nodes = all_nodes
     layers.reverse()
-    return SampledMFG(
-        input_nodes=nodes,
-        num_src=[x[0] for x in layers],
-        num_dst=[x[1] for x in layers],
-        indptr=[x[2] for x in layers],
-        indices=[x[3] for x in layers],
-    )
+    return SampledMFG.homogeneous(nodes, layers)

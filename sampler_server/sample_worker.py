@@ -8,6 +8,7 @@ threads share one object and processes share the page cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -20,7 +21,8 @@ from common.cluster import ClusterSpec
 from common.config import ServerConfig
 from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, RemoteError
 from common.messages import FEAT_TRANSFER_DTYPES, ErrorReply, MFGReply, SampleRequest
-from common.shm_ring import ShmError, ShmWriter, SlotRef
+from common.sampled_mfg import FEAT_RING, Features
+from common.shm_ring import ShmError, ShmWriter
 from common.sockets import CurveKeys
 from partition.layout import HOT_RANK_FILE, cached_mask
 from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, new_scratch, sample_mfg
@@ -78,17 +80,30 @@ class SampleWorker:
         mask = cached_mask(rank, gids.numpy(), self.store.meta.node_offsets, ratio)
         return torch.from_numpy(np.asarray(mask))
 
-    def _shm_slot(self, msg: SampleRequest, rows: int, dtype: torch.dtype
-                  ) -> tuple[torch.Tensor | None, int, str]:
-        """(the request's ring slot as a rows x dim tensor or None, rows written there or -1,
-        why the slot could not be used or "")."""
-        if not msg.with_feat or msg.shm_fd < 0:
-            return None, -1, ""
-        try:
-            slot = self.shm.target(SlotRef.of(msg), rows, self.store.feat.shape[1], dtype)
-        except ShmError as e:
-            return None, -1, str(e)
-        return slot, (rows if slot is not None else -1), ""
+    def _features(self, msg: SampleRequest, neighbors: DistributedNeighbors, nodes: torch.Tensor,
+                  want: torch.dtype) -> Features:
+        """The features of ``nodes`` as they travel: gathered into the request's ring slot
+        if it has one that fits, else as rows on the wire (in the store's dtype: the caller
+        converts); in the cached mode only the rows the trainer does not cache."""
+        dim = self.store.feat.shape[1]
+        if not msg.with_feat:
+            return Features.none(dim, want)
+        present = None
+        if msg.cache_ratio > 0:
+            present = ~self._cached(nodes, msg.cache_ratio)
+            nodes = nodes[present]  # the trainer holds the others' features
+        error = ""
+        if msg.slot is not None:
+            try:
+                slot = self.shm.target(msg.slot, nodes.numel(), dim, want)
+            except ShmError as e:
+                slot, error = None, str(e)
+            if slot is not None:  # gather straight into the trainer's ring slot
+                neighbors.gather(nodes, True, False, out=slot)
+                del slot  # release the mapping's buffer export
+                return Features.ring(nodes.numel(), dim, want, present)
+        rows, _ = neighbors.gather(nodes, True, False)
+        return Features.frames(rows, present, error)
 
     def serve(self, msg: SampleRequest, rid: int, t_in: float) -> tuple[list, dict[str, float]]:
         """(reply frames, stats to add). Errors become an ErrorReply; never raises for a
@@ -100,34 +115,19 @@ class SampleWorker:
         try:
             neighbors = DistributedNeighbors(self.store, peers, timings, self.scratch)
             mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
-            present = torch.empty(0, dtype=torch.bool)
-            send = mfg.input_nodes
-            if msg.cache_ratio > 0 and msg.with_feat:
-                present = ~self._cached(mfg.input_nodes, msg.cache_ratio)
-                send = mfg.input_nodes[present]  # the trainer holds the others' features
             want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
-            slot, shm_rows, shm_error = self._shm_slot(msg, send.numel(), want)
-            if slot is not None:  # gather straight into the trainer's ring slot
-                neighbors.gather(send, True, False, out=slot)
-                del slot  # release the mapping's buffer export
-                feat = torch.empty((0, self.store.feat.shape[1]), dtype=want)
-            else:
-                feat, _ = neighbors.gather(send, msg.with_feat, False)
+            feat = self._features(msg, neighbors, mfg.input_nodes, want)
             _, label = neighbors.gather(msg.seeds, False, msg.with_label)
             t0 = time.perf_counter()
-            if msg.with_feat and feat.dtype != want:
-                feat = feat.to(want)  # counted as encode time
+            if feat.rows.dtype != want:
+                feat = dataclasses.replace(feat, rows=feat.rows.to(want))  # counted as encode time
             remote_bytes = float((peers.bytes_received if peers else 0) - peer_bytes0)
-            reply = MFGReply(input_nodes=mfg.input_nodes, num_src=mfg.num_src,
-                             num_dst=mfg.num_dst, indptr=mfg.indptr, indices=mfg.indices,
-                             feat=feat, label=label, feat_present=present,
-                             feat_shm_rows=shm_rows, shm_error=shm_error, timings={
-                                 "sample_s": timings.sample_s, "gather_s": timings.gather_s,
-                                 "remote_s": timings.remote_s,
-                                 "remote_requests": float(timings.remote_requests),
-                                 "remote_bytes": remote_bytes,
-                                 "cached_rows": float(mfg.input_nodes.numel() - send.numel()),
-                                 "queue_s": queue_s, "shm_rows": float(max(shm_rows, 0))})
+            shm_rows = feat.num_rows if feat.via == FEAT_RING else 0
+            reply = MFGReply(mfg=mfg.with_data(feat, label), timings={
+                "sample_s": timings.sample_s, "gather_s": timings.gather_s,
+                "remote_s": timings.remote_s, "remote_requests": float(timings.remote_requests),
+                "remote_bytes": remote_bytes, "cached_rows": float(feat.cached_rows),
+                "queue_s": queue_s, "shm_rows": float(shm_rows)})
             frames = codec.encode(reply, rid)
             encode_s = time.perf_counter() - t0
             # Encoded again with the totals (cheap: tensors are not copied); the first

@@ -47,7 +47,7 @@ def test_only_authorized_clients_are_answered(server_factory, synth_parts2, tmp_
         # seeds of both parts: part 0's server must authenticate to part 1's server
         seeds = torch.tensor([0, 1, 2, 2999, 2998])
         reply = good.call(SampleRequest(seeds=seeds, fanouts=[3, 3]))
-        assert isinstance(reply, MFGReply) and reply.label.numel() == 5
+        assert isinstance(reply, MFGReply) and reply.mfg.only.label.numel() == 5
         assert reply.timings["remote_requests"] > 0
         good.close()
 

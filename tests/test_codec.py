@@ -9,6 +9,7 @@ live server.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 from typing import Any
 
@@ -48,6 +49,9 @@ from common.messages import (
     StatsReply,
     StatsRequest,
 )
+from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
+from common.shm_ring import SlotRef
+from common.struct import Struct
 
 # ---------------------------------------------------------------- examples and helpers
 
@@ -66,13 +70,30 @@ def chain_mfg(num_layers: int, seeds: int = 3, grow: int = 2, feat_dim: int = 4)
         indptr.append(torch.arange(nd + 1, dtype=torch.int64) * grow)
         indices.append((torch.arange(nd * grow, dtype=torch.int64) * 7) % ns)
     n = num_src[0]
+    layers = [Layer.homogeneous(*x) for x in zip(num_src, num_dst, indptr, indices, strict=True)]
     return MFGReply(
-        input_nodes=torch.arange(100, 100 + n, dtype=torch.int64),
-        num_src=num_src, num_dst=num_dst, indptr=indptr, indices=indices,
-        feat=torch.randn(n, feat_dim), label=torch.arange(seeds, dtype=torch.int64),
-        feat_present=torch.empty(0, dtype=torch.bool),
+        mfg=SampledMFG.homogeneous(torch.arange(100, 100 + n, dtype=torch.int64), layers,
+                                   Features.frames(torch.randn(n, feat_dim)),
+                                   torch.arange(seeds, dtype=torch.int64)),
         timings={"sample_s": 0.25, "gather_s": 1.0},
     )
+
+
+def hetero_mfg() -> MFGReply:
+    """Two node types ("paper" fed by ring rows and the cache, "author" featureless), one
+    layer with three relations: what a heterogeneous sampler will send."""
+    paper = NodeSet(torch.tensor([10, 11, 12, 13], dtype=torch.int64),
+                    Features.ring(2, 8, torch.float16, torch.tensor([True, False, True, False])),
+                    torch.tensor([1, 0], dtype=torch.int64), ntype="paper")
+    author = NodeSet(torch.tensor([5, 6, 7], dtype=torch.int64), Features.none(),
+                     torch.empty(0, dtype=torch.int64), ntype="author")
+    ip = torch.tensor([0, 1, 3], dtype=torch.int64)
+    rels = [Relation(ip, torch.tensor([2, 0, 1]), 0, 0, "cites"),
+            Relation(ip, torch.tensor([0, 1, 2]), 1, 0, "writes"),
+            Relation(torch.tensor([0, 2], dtype=torch.int64), torch.tensor([0, 3]), 0, 1,
+                     "written-by")]
+    layer = Layer(num_src=[4, 3], num_dst=[2, 1], rels=rels)
+    return MFGReply(mfg=SampledMFG([paper, author], [layer]))
 
 
 def examples() -> dict[MsgType, Message]:
@@ -85,7 +106,8 @@ def examples() -> dict[MsgType, Message]:
                            dataset="synthetic-3000", pid=4242, server_id="abcd1234",
                            set_id="0123456789abcdef0123456789abcdef"),
         MsgType.SAMPLE: SampleRequest(seeds=torch.tensor([5, 1, 9], dtype=torch.int64),
-                                      fanouts=[10, -1], with_feat=False, with_label=True),
+                                      fanouts=[10, -1], with_feat=False, with_label=True,
+                                      slot=SlotRef(4242, 7, "ab" * 16, 4096, 1 << 20)),
         MsgType.MFG: chain_mfg(2),
         MsgType.NEIGHBORS_REQ: NeighborsRequest(nodes=torch.tensor([3, 4], dtype=torch.int64),
                                                 fanout=5),
@@ -112,10 +134,14 @@ def assert_same_value(a: Any, b: Any, where: str) -> None:
         assert isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(raw_bytes(a), raw_bytes(b)), where  # bitwise: NaN == NaN here
-    elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+    elif isinstance(a, list) and a and isinstance(a[0], (torch.Tensor, Struct)):
         assert isinstance(b, list) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same_value(x, y, f"{where}[{i}]")
+    elif isinstance(a, Struct):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            assert_same_value(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
     else:
         # msgpack bytes compare floats bitwise (NaN included), as the wire does
         assert type(a) is type(b) and msgpack.packb(a) == msgpack.packb(b), (where, a, b)
@@ -126,19 +152,18 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_message(a: Message, b: Message) -> None:
-    assert type(a) is type(b)
-    for name in a.__dataclass_fields__:
-        assert_same_value(getattr(a, name), getattr(b, name), name)
+    assert_same_value(a, b, type(a).__name__)
 
 
-def count_tensors(msg: Message) -> int:
-    n = 0
-    for v in vars(msg).values():
-        if isinstance(v, torch.Tensor):
-            n += 1
-        elif isinstance(v, list):
-            n += sum(isinstance(x, torch.Tensor) for x in v)
-    return n
+def count_tensors(value: Any) -> int:
+    """Tensors in a message, nested structs included."""
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, list):
+        return sum(count_tensors(x) for x in value)
+    if isinstance(value, Struct):
+        return sum(count_tensors(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
 
 
 def wire(msg: Message, rid: int = 7) -> list[bytes]:
@@ -248,11 +273,11 @@ def test_empty_tensors_keep_their_shape():
     assert out.feat.shape == (0, 5) and out.feat.dtype == torch.float16
     assert out.label.shape == (0,)
     # An MFG with no nodes at all is well formed too.
-    empty = MFGReply(input_nodes=torch.empty(0, dtype=torch.int64), num_src=[0], num_dst=[0],
-                     indptr=[torch.zeros(1, dtype=torch.int64)],
-                     indices=[torch.empty(0, dtype=torch.int64)],
-                     feat=torch.empty(0, 5), label=torch.empty(0, dtype=torch.int64),
-                     feat_present=torch.empty(0, dtype=torch.bool))
+    layer = Layer.homogeneous(0, 0, torch.zeros(1, dtype=torch.int64),
+                              torch.empty(0, dtype=torch.int64))
+    empty = MFGReply(mfg=SampledMFG.homogeneous(torch.empty(0, dtype=torch.int64), [layer],
+                                                Features.frames(torch.empty(0, 5)),
+                                                torch.empty(0, dtype=torch.int64)))
     out, _ = codec.decode(wire(empty))
     assert_same_message(empty, out)
 
@@ -277,12 +302,12 @@ def test_non_contiguous_inputs_decode_equal(make):
 def test_eight_layer_mfg_has_one_frame_per_tensor():
     msg = chain_mfg(MAX_LAYERS)
     frames = wire(msg, rid=99)
-    # header, input_nodes, CSCs, feat, label, feat_present
+    # header, input node ids, CSCs, feature rows, present-mask, label
     assert len(frames) == 1 + 1 + 2 * MAX_LAYERS + 3
     out, rid = codec.decode(frames)
     assert rid == 99
     assert_same_message(msg, out)
-    assert len(out.indptr) == MAX_LAYERS
+    assert len(out.mfg.layers) == MAX_LAYERS
 
 
 # ---------------------------------------------------------------- zero copy
@@ -382,7 +407,7 @@ def test_header_too_large():
     assert error_code(frames) == "bad_header"
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 99, "2", None])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 99, "3", None])
 def test_wrong_protocol_version(version):
     with pytest.raises(ProtocolError) as info:
         codec.decode(with_header(wire(Ping()), v=version))
@@ -592,26 +617,49 @@ def test_bad_split():
 
 def _broken_mfg(change) -> list[bytes]:
     m = chain_mfg(2)
-    change(m)
+    change(m.mfg)
     return wire(m)
 
 
+def _layer(m: SampledMFG, i: int) -> Layer:
+    return m.layers[i]
+
+
+def _rel(m: SampledMFG, i: int) -> Relation:
+    return m.layers[i].rels[0]
+
+
+def _feat(m: SampledMFG) -> Features:
+    return m.nodes[0].feat
+
+
 @pytest.mark.parametrize("change", [
-    lambda m: m.indptr[0].__setitem__(1, 5),                        # not monotone
-    lambda m: m.indices[1].__setitem__(0, m.num_src[1]),             # index == num_src
-    lambda m: m.indices[0].__setitem__(0, -1),                       # negative index
-    lambda m: m.indptr[1].__setitem__(0, 1),                         # does not start at 0
-    lambda m: setattr(m, "indices", [m.indices[0], m.indices[1][:-1]]),  # end != len(indices)
-    lambda m: setattr(m, "indptr", [m.indptr[0][:-1], m.indptr[1]]),  # wrong length
-    lambda m: setattr(m, "indptr", [m.indptr[0].to(torch.int32), m.indptr[1]]),
-    lambda m: setattr(m, "num_dst", [m.num_dst[0]]),                 # list lengths differ
-    lambda m: setattr(m, "num_src", [m.num_src[0] + 1, m.num_src[1]]),  # != len(input_nodes)
-    lambda m: setattr(m, "num_src", [m.num_src[0], m.num_src[1] + 1]),  # layers do not chain
-    lambda m: setattr(m, "num_dst", [m.num_dst[0], m.num_src[1] + 1]),  # num_dst > num_src
+    lambda m: _rel(m, 0).indptr.__setitem__(1, 5),                    # not monotone
+    lambda m: _rel(m, 1).indices.__setitem__(0, _layer(m, 1).num_src[0]),  # index == num_src
+    lambda m: _rel(m, 0).indices.__setitem__(0, -1),                  # negative index
+    lambda m: _rel(m, 1).indptr.__setitem__(0, 1),                    # does not start at 0
+    lambda m: setattr(_rel(m, 1), "indices", _rel(m, 1).indices[:-1]),  # end != len(indices)
+    lambda m: setattr(_rel(m, 0), "indptr", _rel(m, 0).indptr[:-1]),  # wrong length
+    lambda m: setattr(_rel(m, 0), "indptr", _rel(m, 0).indptr.to(torch.int32)),
+    lambda m: setattr(_layer(m, 0), "num_dst", _layer(m, 0).num_dst * 2),  # lengths differ
+    lambda m: setattr(_layer(m, 0), "num_src", [_layer(m, 0).num_src[0] + 1]),  # != len(ids)
+    lambda m: setattr(_layer(m, 1), "num_src", [_layer(m, 1).num_src[0] + 1]),  # no chain
+    lambda m: setattr(_layer(m, 1), "num_dst", [_layer(m, 1).num_src[0] + 1]),  # dst > src
+    lambda m: setattr(m, "layers", []),                                # no layer
+    lambda m: setattr(_rel(m, 0), "src_type", 1),                      # no such node type
+    lambda m: setattr(_layer(m, 0), "rels", _layer(m, 0).rels * 2),    # relation twice
+    lambda m: setattr(_feat(m), "rows", _feat(m).rows[:-1]),           # a row short
+    lambda m: setattr(_feat(m), "num_rows", _feat(m).num_rows + 1),    # count disagrees
+    lambda m: setattr(_feat(m), "via", "pigeon"),                      # unknown way
+    lambda m: setattr(_feat(m), "via", "ring"),                        # ring, rows on wire
+    lambda m: setattr(_feat(m), "present", torch.ones(3, dtype=torch.bool)),  # mask length
+    lambda m: setattr(m.nodes[0], "label", torch.arange(4)),           # label count
 ], ids=["indptr-not-monotone", "index-too-big", "index-negative", "indptr-start",
         "indptr-end", "indptr-length", "indptr-dtype", "list-lengths", "input-count",
-        "layer-chain", "dst-over-src"])
-def test_inconsistent_mfg_csc(change):
+        "layer-chain", "dst-over-src", "no-layer", "bad-node-type", "relation-twice",
+        "feat-row-short", "feat-count", "feat-via", "feat-ring-rows", "present-length",
+        "label-count"])
+def test_inconsistent_mfg(change):
     assert error_code(_broken_mfg(change)) == "bad_mfg"
 
 
@@ -621,7 +669,7 @@ def test_mfg_with_too_many_layers():
 
 def test_mfg_input_node_ids_are_checked():
     m = chain_mfg(1)
-    m.input_nodes[0] = -1
+    m.mfg.nodes[0].ids[0] = -1
     assert error_code(wire(m)) == "id_out_of_range"
 
 
@@ -632,10 +680,13 @@ def test_mfg_input_node_ids_are_checked():
 
 _INTS = [-(2**63), -1, 0, 1, 2, 3, 8, 9, 64, 65, 2**31, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
 _WORDS = [*codec.DTYPES, "seeds", "feat", "label", "indptr", "indices", "fanouts", "num_src",
-          "num_dst", "with_feat", "split", "values", "code", "nodes", "train", ""]
+          "num_dst", "with_feat", "split", "values", "code", "nodes", "train", "", "ring",
+          "frames", "none", "mfg.layers.0.rels.0.indptr", "mfg.nodes.0.feat.rows", "slot"]
 _HEADER_KEYS = ["v", "t", "id", "s", "d"]
 _SCALAR_KEYS = ["fanouts", "with_feat", "with_label", "num_src", "num_dst", "split", "values",
-                "code", "message", "fanout", "node_offsets", "part_id", "timings", "bogus"]
+                "code", "message", "fanout", "node_offsets", "part_id", "timings", "bogus",
+                "mfg", "slot", "layers", "nodes", "rels", "via", "num_rows", "pid", "token",
+                "src_type", "ntype"]
 
 
 def random_value(rnd: random.Random, depth: int = 0) -> Any:
@@ -678,7 +729,16 @@ def _mutate_header(frames: list[bytes], edit) -> list[bytes]:
     return [packed, *frames[1:]]
 
 
-_MUTATION_WEIGHTS = [0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 8, 9, 9, 9, 10, 10, 10]
+_MUTATION_WEIGHTS = [0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 8, 9, 9, 9, 10, 10, 10, 11, 11, 11]
+
+
+def _nested_maps(value: Any) -> list[dict]:
+    """Every map inside a header's scalars (nested structs), the top one included."""
+    if isinstance(value, dict):
+        return [value] + [m for v in value.values() for m in _nested_maps(v)]
+    if isinstance(value, list):
+        return [m for v in value for m in _nested_maps(v)]
+    return []
 
 
 def mutate(frames: list[bytes], rnd: random.Random) -> list[bytes]:
@@ -729,6 +789,17 @@ def mutate(frames: list[bytes], rnd: random.Random) -> list[bytes]:
                 desc = d[i % len(d)]
                 desc[rnd.randrange(len(desc))] = value
         frames = _mutate_header(frames, edit)
+    elif kind == 11:  # set, add or drop a field of a nested struct
+        key, value, drop = rnd.choice(_SCALAR_KEYS), random_value(rnd), rnd.random() < 0.3
+
+        def edit(h):
+            maps = _nested_maps(h.get("s"))
+            m = maps[rnd.randrange(len(maps))] if maps else {}
+            if drop and m:
+                m.pop(rnd.choice(sorted(m)))
+            else:
+                m[rnd.choice(sorted(m)) if m and rnd.random() < 0.6 else key] = value
+        frames = _mutate_header(frames, edit)
     else:  # nudge one int inside the scalars (list items included)
         def edit(h):
             s = h.get("s")
@@ -746,6 +817,7 @@ def mutate(frames: list[bytes], rnd: random.Random) -> list[bytes]:
 
 _VALID = [wire(m, rid=i + 1) for i, m in enumerate(examples().values())]
 _VALID.append(wire(chain_mfg(MAX_LAYERS)))
+_VALID.append(wire(hetero_mfg()))
 
 
 @st.composite

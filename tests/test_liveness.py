@@ -271,8 +271,8 @@ def test_ddp_rank_death_surviving_rank_exits(how, server_factory, synth_parts2, 
         for p, s in enumerate(servers):
             seeds = torch.arange(pongs[p].node_offsets[p], pongs[p].node_offsets[p] + 32)
             reply = _sample(ctx, s.endpoint, seeds)
-            assert torch.equal(reply.input_nodes[:32], seeds)
-            assert reply.label.numel() == 32
+            assert torch.equal(reply.mfg.input_nodes[:32], seeds)
+            assert reply.mfg.only.label.numel() == 32
             st = _stats(ctx, s)
             assert st["sample_requests"] == settled[p]["sample_requests"] + 1, (p, st)
     finally:
@@ -365,9 +365,9 @@ def test_connect_disconnect_churn_does_not_leak(server_factory, synth_parts1, tm
         seeds = torch.tensor([0, 7, 123, pong.num_nodes - 1])
         reply = _sample(ctx, server.endpoint, seeds)
         labels = torch.from_numpy(np.load(synth_parts1 / "part-0" / "label.npy"))
-        assert torch.equal(reply.input_nodes[:4], seeds)
-        assert torch.equal(reply.label, labels[seeds])
-        assert reply.feat.shape == (reply.input_nodes.numel(), pong.feat_dim)
+        assert torch.equal(reply.mfg.input_nodes[:4], seeds)
+        assert torch.equal(reply.mfg.only.label, labels[seeds])
+        assert reply.mfg.only.feat.rows.shape == (reply.mfg.input_nodes.numel(), pong.feat_dim)
     finally:
         ctx.term()
     assert server.stop_and_check(expect_code=0) == 0

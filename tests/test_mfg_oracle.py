@@ -18,6 +18,7 @@ import zmq
 from common.cluster import ClusterSpec
 from common.dgl_compat import import_dgl
 from common.messages import MFGReply, Ping, Pong, SampleRequest
+from common.mfg import MFG
 from common.rpc import RpcChannel
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,15 +42,17 @@ class Oracle:
                            num_nodes=self.n)
 
     def check(self, reply: MFGReply, seeds: torch.Tensor, fanouts: list[int]) -> None:
-        nodes = reply.input_nodes.numpy()
+        """The reply's MFG (read through the trainer's view, MFG.of) against the graph."""
+        mfg = MFG.of(reply.mfg)
+        nodes = mfg.input_nodes.numpy()
         assert len(np.unique(nodes)) == nodes.size, "source node ids must be unique"
-        assert reply.num_dst[-1] == seeds.numel()
-        assert np.array_equal(nodes[: seeds.numel()], seeds.numpy()), "seeds come first"
+        assert mfg[-1].num_dst_nodes() == seeds.numel()
+        assert torch.equal(mfg.output_nodes, seeds), "seeds come first"
         for layer, fanout in enumerate(fanouts):
-            ns, nd = reply.num_src[layer], reply.num_dst[layer]
+            ns, nd = mfg[layer].num_src_nodes(), mfg[layer].num_dst_nodes()
             if layer + 1 < len(fanouts):
-                assert reply.num_src[layer + 1] == nd
-            indptr, indices = reply.indptr[layer].numpy(), reply.indices[layer].numpy()
+                assert mfg[layer + 1].num_src_nodes() == nd
+            indptr, indices = mfg[layer].indptr.numpy(), mfg[layer].indices.numpy()
             counts = np.diff(indptr)
             dst_local = np.repeat(np.arange(nd), counts)
             src_g, dst_g = nodes[indices], nodes[dst_local]
@@ -74,8 +77,8 @@ class Oracle:
             assert set(nodes[indices].tolist()) | set(nodes[:nd].tolist()) == set(
                 dgl_src.tolist())
         orig = self.n2o[nodes]
-        np.testing.assert_array_equal(reply.feat.numpy(), self.graph.feat[orig])
-        np.testing.assert_array_equal(reply.label.numpy(),
+        np.testing.assert_array_equal(mfg[0].srcdata["feat"].numpy(), self.graph.feat[orig])
+        np.testing.assert_array_equal(mfg[-1].dstdata["label"].numpy(),
                                       self.graph.label[self.n2o[seeds.numpy()]])
 
 
@@ -179,7 +182,7 @@ def test_neighbour_choice_uniform_across_parts(server_factory, synth_graph, synt
         for _ in range(rounds):
             reply = ch.call(SampleRequest(seeds=torch.tensor([int(v)]), fanouts=[fanout],
                                           with_feat=False, with_label=False))
-            picked = reply.input_nodes[reply.indices[0]].tolist()
+            picked = reply.mfg.input_nodes[reply.mfg.layers[0].rels[0].indices].tolist()
             assert len(picked) == fanout
             for u in picked:
                 hits[u] = hits.get(u, 0) + 1
@@ -208,10 +211,11 @@ def test_half_precision_feature_transfer(dtype, server_factory, synth_graph, syn
         ch.close()
     finally:
         ctx.term()
-    assert full.feat.dtype == torch.float32 and half.feat.dtype == getattr(torch, dtype)
-    assert half.feat.element_size() == 2 and full.feat.element_size() == 4
-    want = torch.from_numpy(synth_graph.feat[oracle.n2o[half.input_nodes.numpy()]])
-    torch.testing.assert_close(half.feat.float(), want.to(getattr(torch, dtype)).float())
+    full_rows, half_rows = full.mfg.only.feat.rows, half.mfg.only.feat.rows
+    assert full_rows.dtype == torch.float32 and half_rows.dtype == getattr(torch, dtype)
+    assert half_rows.element_size() == 2 and full_rows.element_size() == 4
+    want = torch.from_numpy(synth_graph.feat[oracle.n2o[half.mfg.input_nodes.numpy()]])
+    torch.testing.assert_close(half_rows.float(), want.to(getattr(torch, dtype)).float())
 
 
 def test_feature_cache_rows_left_out_and_restored(server_factory, synth_graph, synth_parts2,
@@ -232,11 +236,11 @@ def test_feature_cache_rows_left_out_and_restored(server_factory, synth_graph, s
         seeds = mixed_seeds(synth_parts2, 80, 9)
         reply = pool.wait(pool.submit(0, SampleRequest(seeds=seeds, fanouts=[5, 5],
                                                        cache_ratio=0.25)))
-        assert reply.feat_present.numel() == reply.input_nodes.numel()
-        assert reply.feat.shape[0] < reply.input_nodes.numel(), "no row was left out"
-        feat = cache.assemble(reply.input_nodes, reply.feat, reply.feat_present)
-        np.testing.assert_array_equal(feat.numpy(),
-                                      synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
-        assert cache.rows_served == int((~reply.feat_present).sum()) > 0
+        ids, f = reply.mfg.input_nodes, reply.mfg.only.feat
+        assert f.via == "frames" and f.present.numel() == ids.numel()
+        assert f.rows.shape[0] < ids.numel() and f.cached_rows > 0, "no row was left out"
+        feat = cache.assemble(ids, f.rows, f.present)
+        np.testing.assert_array_equal(feat.numpy(), synth_graph.feat[oracle.n2o[ids.numpy()]])
+        assert cache.rows_served == f.cached_rows
     finally:
         pool.close()

@@ -7,6 +7,7 @@ import torch
 
 from common.dgl_compat import import_dgl
 from common.mfg import MFG, NID, Block
+from common.sampled_mfg import Features, Layer, SampledMFG
 from trainer_client.model import GraphSAGE, SAGEConv
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,13 +52,21 @@ def test_sageconv_gradients_flow():
     assert x.grad is not None and layer.fc_neigh.weight.grad is not None
 
 
-def test_mfg_from_csc_prefix_ids_and_to_dgl():
+def test_mfg_of_sampled_prefix_ids_and_to_dgl():
     input_nodes = torch.tensor([7, 3, 9, 1, 4])
     b0 = random_block(5, 3, 2, seed=1)
     b1 = random_block(3, 2, 2, seed=2)
-    mfg = MFG.from_csc(input_nodes, [5, 3], [3, 2], [b0.indptr, b1.indptr],
-                       [b0.indices, b1.indices])
+    feat, label = torch.randn(5, 4), torch.tensor([1, 0])
+    sampled = SampledMFG.homogeneous(
+        input_nodes, [Layer.homogeneous(5, 3, b0.indptr, b0.indices),
+                      Layer.homogeneous(3, 2, b1.indptr, b1.indices)],
+        Features.frames(feat), label)
+    sampled.check()
+    mfg = MFG.of(sampled)
     assert len(mfg) == 2
+    # a view: the blocks share the sampled tensors (no copy)
+    assert mfg[0].indptr is b0.indptr and mfg[0].srcdata["feat"] is feat
+    assert mfg[-1].dstdata["label"] is label and mfg.input_nodes is input_nodes
     assert mfg[1].srcdata[NID].tolist() == mfg[0].dstdata[NID].tolist() == [7, 3, 9]
     assert mfg.output_nodes.tolist() == [7, 3]
     blocks = mfg.to_dgl()

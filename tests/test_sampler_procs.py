@@ -51,8 +51,8 @@ def test_mfgs_from_sampler_processes_match_graph(server_factory, synth_graph, sy
             reply, rid = ch.recv()
             assert isinstance(reply, MFGReply)
             oracle.check(reply, rids.pop(rid), [4, 3])
-            want = synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]]
-            assert torch.equal(reply.feat, torch.from_numpy(want))
+            want = synth_graph.feat[oracle.n2o[reply.mfg.input_nodes.numpy()]]
+            assert torch.equal(reply.mfg.only.feat.rows, torch.from_numpy(want))
         stats = ch.call(StatsRequest())
         ch.close()
     finally:

@@ -116,12 +116,13 @@ def assert_serving(c: RawClient, seeds: tuple[int, ...] = (0, 17, 1234)) -> MFGR
     assert isinstance(pong, Pong), pong
     assert pong.part_id == 0 and pong.num_parts == 1
     s = torch.tensor(seeds, dtype=torch.int64)
-    mfg = c.call(SampleRequest(seeds=s, fanouts=[5, 5]))
-    assert isinstance(mfg, MFGReply), mfg
+    reply = c.call(SampleRequest(seeds=s, fanouts=[5, 5]))
+    assert isinstance(reply, MFGReply), reply
+    mfg = reply.mfg
     assert torch.equal(mfg.input_nodes[: len(seeds)], s)  # destination nodes come first
-    assert mfg.num_dst[-1] == len(seeds) and mfg.label.shape == (len(seeds),)
-    assert mfg.feat.shape == (mfg.input_nodes.numel(), pong.feat_dim)
-    return mfg
+    assert torch.equal(mfg.output_nodes, s) and mfg.only.label.shape == (len(seeds),)
+    assert mfg.only.feat.rows.shape == (mfg.input_nodes.numel(), pong.feat_dim)
+    return reply
 
 
 def _num_nodes(c: RawClient) -> int:

@@ -146,20 +146,20 @@ def test_server_refuses_what_is_not_a_ring(server_factory, synth_parts1, synth_g
             "outside": SlotRef(os.getpid(), ring.fd, ring.token, HEADER_BYTES, 1 << 30),
         }
         for what, ref in cases.items():
-            req = SampleRequest(seeds=seeds, fanouts=[3])
-            ref.attach(req)
-            reply = _raw_call(ep, req)
-            assert reply.feat_shm_rows == -1 and reply.shm_error, what
+            reply = _raw_call(ep, SampleRequest(seeds=seeds, fanouts=[3], slot=ref))
+            f = reply.mfg.only.feat
+            assert f.via == "frames" and f.slot_error, what
             np.testing.assert_array_equal(
-                reply.feat.numpy(), synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
+                f.rows.numpy(), synth_graph.feat[oracle.n2o[reply.mfg.input_nodes.numpy()]])
         assert victim.read_bytes() == b"\0" * (1 << 20), "a non-ring file was written"
-        req = SampleRequest(seeds=seeds, fanouts=[3])
-        ring.ref(ring.acquire()).attach(req)
-        reply = _raw_call(ep, req)
-        assert reply.feat_shm_rows == reply.input_nodes.numel() and not reply.shm_error
-        got = ring.view(0, reply.feat_shm_rows, reply.feat.shape[1], reply.feat.dtype)
+        reply = _raw_call(ep, SampleRequest(seeds=seeds, fanouts=[3],
+                                            slot=ring.ref(ring.acquire())))
+        f = reply.mfg.only.feat
+        assert f.via == "ring" and f.num_rows == reply.mfg.input_nodes.numel()
+        assert not f.slot_error
+        got = ring.view(0, f.num_rows, f.rows.shape[1], f.rows.dtype)
         np.testing.assert_array_equal(
-            got.numpy(), synth_graph.feat[oracle.n2o[reply.input_nodes.numpy()]])
+            got.numpy(), synth_graph.feat[oracle.n2o[reply.mfg.input_nodes.numpy()]])
         del got
     finally:
         os.close(fd)

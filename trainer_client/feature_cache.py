@@ -2,8 +2,9 @@
 
 Which nodes are cached is decided by the partition set (``hot_rank.npy``, pre-sampled at
 partition time): with ratio r, the nodes ranked below floor(r * part size) in each part.
-Servers apply the same rule and leave those rows out of their replies (``feat_present``), so
-neither side sends a list of cached ids. :meth:`assemble` rebuilds the full feature matrix.
+Servers apply the same rule and leave those rows out of their replies (the cached mode of
+common.sampled_mfg.Features: a present-mask), so neither side sends a list of cached ids.
+:meth:`assemble` rebuilds the full feature matrix.
 """
 
 from __future__ import annotations

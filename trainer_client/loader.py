@@ -16,6 +16,7 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -28,6 +29,7 @@ from torch import Tensor
 from common.messages import MFGReply, SampleRequest
 from common.mfg import MFG
 from common.rpc import expect
+from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
 from common.sockets import Deadline
 from trainer_client.feature_cache import FeatureCache
@@ -129,43 +131,52 @@ class DistNodeDataLoader:
                             cache_ratio=self.cache_ratio)
         offered: list[int] = []
 
-        def offer(endpoint: str, msg: SampleRequest) -> None:
-            """A slot for this request, if its server can use the ring and one is free."""
+        def offer(endpoint: str, msg: SampleRequest) -> SampleRequest:
+            """The request with a ring slot, if its server can use the ring and one is free."""
             if self.ring is None or endpoint in self.no_ring:
-                return
+                return msg
             slot = self.ring.acquire()
             if slot is None:
                 self.stats.ring_misses += 1
-                return
-            self.ring.ref(slot).attach(msg)
+                return msg
             offered.append(slot)
+            return dataclasses.replace(msg, slot=self.ring.ref(slot))
 
         handle = self.pool.submit(self._owner(batch), req, before_send=offer)
         return handle, (offered[0] if offered else None)
 
     def _features(self, reply: MFGReply, slot: int | None, handle: Handle) -> Tensor:
-        """The reply's feature rows: a view of its ring slot, or its frame off the wire."""
+        """The reply's input features: a view of its ring slot or its frame off the wire,
+        completed from the feature cache in the cached mode."""
         ring = self.ring
+        f = reply.mfg.only.feat
         if slot is not None and handle.attempts > 1:
             # Re-sent without the slot (ServerPool._failover); the first server may still
             # write into it, so it is never reused.
             ring.poison(slot)  # type: ignore[union-attr]
             slot = None
         endpoint = handle.channel.endpoint
-        if reply.shm_error and endpoint not in self.no_ring:
+        if f.slot_error and endpoint not in self.no_ring:
             log.warning("server %s cannot use this trainer's shared-memory ring; its replies "
-                        "come over the socket: %s", endpoint, reply.shm_error)
+                        "come over the socket: %s", endpoint, f.slot_error)
             self.no_ring.add(endpoint)
-        if reply.feat_shm_rows < 0:
+        if f.via != FEAT_RING:
             if slot is not None:
                 ring.release(slot)  # type: ignore[union-attr]
-            return reply.feat
-        if slot is None:
+            rows = f.rows
+        elif slot is None:
             raise RuntimeError("a server wrote features into a ring slot this trainer did not "
                                "offer it")
-        self.stats.ring_hits += 1
-        return ring.view(slot, reply.feat_shm_rows, reply.feat.shape[1],  # type: ignore[union-attr]
-                         reply.feat.dtype, self._release)
+        else:
+            self.stats.ring_hits += 1
+            rows = ring.view(slot, f.num_rows, f.rows.shape[1],  # type: ignore[union-attr]
+                             f.rows.dtype, self._release)
+        if not f.present.numel():
+            return rows
+        if self.cache is None:
+            raise RuntimeError("a server left out cached features, but this loader has "
+                               "no feature cache")
+        return self.cache.assemble(reply.mfg.input_nodes, rows, f.present)
 
     def _release(self, slot: int) -> None:
         """A slot's last host tensor is gone; with CUDA, free it once the copy is done."""
@@ -181,17 +192,7 @@ class DistNodeDataLoader:
     def _to_mfg(self, reply: MFGReply, slot: int | None, handle: Handle) -> MFG:
         """Decode the reply into an MFG and start its copy to the device (non-blocking)."""
         t0 = time.perf_counter()
-        mfg = MFG.from_csc(reply.input_nodes, reply.num_src, reply.num_dst, reply.indptr,
-                           reply.indices)
-        feat = self._features(reply, slot, handle)
-        if reply.feat_present.numel():
-            if self.cache is None:
-                raise RuntimeError("a server left out cached features, but this loader has "
-                                   "no feature cache")
-            feat = self.cache.assemble(reply.input_nodes, feat, reply.feat_present)
-        mfg.blocks[0].srcdata["feat"] = feat
-        mfg.blocks[-1].dstdata["label"] = reply.label
-        del feat
+        mfg = MFG.of(reply.mfg, self._features(reply, slot, handle))
         t1 = time.perf_counter()
         self.stats.decode_s += t1 - t0
         if self.copy_stream is not None:

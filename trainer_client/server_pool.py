@@ -129,14 +129,14 @@ class ServerPool:
         return None
 
     def submit(self, part: int, msg: Message, before_send=None) -> Handle:
-        """Send ``msg`` to a replica of ``part``; ``before_send(endpoint, msg)`` may adapt it
+        """Send ``msg`` to a replica of ``part``; ``before_send(endpoint, msg)`` returns it adapted
         to the replica chosen (e.g. offer a shared-memory slot only to servers that can use
         it)."""
         ch = self._pick(part) or self.channels[next(self._rr[part])]  # all down: try anyway
         if self.set_id and hasattr(msg, "set_id"):
             msg = dataclasses.replace(msg, set_id=self.set_id)  # type: ignore[type-var]
         if before_send is not None:
-            before_send(ch.endpoint, msg)
+            msg = before_send(ch.endpoint, msg)
         handle = Handle(part, msg, ch, ch.send(msg), time.perf_counter())
         self._inflight[(ch.endpoint, handle.rid)] = handle
         return handle
@@ -173,9 +173,9 @@ class ServerPool:
                     handle.part, old.endpoint, target.endpoint, error)
         self.failovers += 1
         handle.error = None
-        if isinstance(handle.msg, SampleRequest) and handle.msg.shm_fd >= 0:
+        if isinstance(handle.msg, SampleRequest) and handle.msg.slot is not None:
             # The old server may still write into the offered ring slot: the new one gets none.
-            handle.msg = dataclasses.replace(handle.msg, shm_fd=-1)
+            handle.msg = dataclasses.replace(handle.msg, slot=None)
         handle.channel, handle.rid = target, target.send(handle.msg)
         handle.attempts += 1
         self._inflight[(target.endpoint, handle.rid)] = handle
