@@ -58,6 +58,9 @@ class ServerConfig:
     peer_timeout_s: float = opt(
         30.0, "seconds to wait for another server's reply before failing the request"
     )
+    max_node_tensor_mb: int = opt(
+        1024, "MiB of server-held node tensors (TENSOR_CREATE) a server holds at most, "
+        "optimizer state included; a create beyond it gets a too_large error reply")
     seed: int = opt(0, "random seed of the neighbour sampler")
     heartbeat_s: float = opt(
         1.0, "seconds between heartbeats on every connection (to trainers and other servers); "
