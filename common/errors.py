@@ -45,3 +45,8 @@ class RemoteError(MfgServeError):
         self.peer = peer
         self.code = code
         self.rid = rid  # the request it answers
+
+
+class BadRequestError(MfgServeError, ValueError):
+    """A well-formed request a server cannot serve as asked (e.g. for nodes it does not
+    hold): answered with error code ``bad_request`` (common/service.py), not a bug."""

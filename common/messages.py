@@ -8,7 +8,7 @@ calls it on every decoded message, so handlers never see an ill-formed one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import ClassVar
 
@@ -50,6 +50,10 @@ class MsgType(IntEnum):
     ACK = 14
     CACHE_FILL_REQ = 15  # trainer -> server: the part's hottest nodes and their features
     CACHE_FILL = 16
+    SAMPLE_JOB = 17  # server -> its sampler process (private socket): a decoded SAMPLE
+    SAMPLE_RESULT = 18  # sampler process -> its server: the encoded reply and its counts
+    WORKER_READY = 19  # sampler process -> its server: loaded, waiting for jobs
+    WORKER_STOP = 20  # server -> its sampler process: exit
     # 40-46: server-held node tensors (trainer -> server; sampler_server/node_tensors.py)
     TENSOR_CREATE = 40
     TENSOR_INFO = 41
@@ -409,12 +413,56 @@ class TensorDrop(Message):
         _check_name(self.name)
 
 
+@dataclass
+class SampleJob(SampleRequest):
+    """Server -> its sampler process (common/executors.py): a SampleRequest the server
+    decoded and checked (so not checked again), the client it answers (its ROUTER identity)
+    and when it arrived (time.perf_counter). The request id is the client's."""
+
+    TYPE = MsgType.SAMPLE_JOB
+    client: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    t_in: float = 0.0
+
+    def check(self) -> None:
+        return None
+
+    @classmethod
+    def of(cls, req: SampleRequest, client: Tensor, t_in: float) -> SampleJob:
+        own = {f.name: getattr(req, f.name) for f in fields(SampleRequest)}
+        return cls(**own, client=client, t_in=t_in)
+
+
+@dataclass
+class SampleResult(Message):
+    """Sampler process -> its server: the reply to send on to ``client`` unchanged (one uint8
+    tensor per encoded frame) and what serving it added to the counters
+    (common.stats.SampleCounts, by name)."""
+
+    TYPE = MsgType.SAMPLE_RESULT
+    client: Tensor
+    stats: dict[str, float]
+    reply: list[Tensor]
+
+
+@dataclass
+class WorkerReady(Message):
+    TYPE = MsgType.WORKER_READY
+    index: int
+    pid: int
+
+
+@dataclass
+class WorkerStop(Message):
+    TYPE = MsgType.WORKER_STOP
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (ErrorReply, Ping, Pong, SampleRequest, MFGReply, NeighborsRequest, NeighborsReply,
                 NodeDataRequest, NodeDataReply, SeedsRequest, SeedsReply, StatsRequest,
                 StatsReply, Shutdown, Ack, CacheFillRequest, CacheFillReply,
                 TensorCreate, TensorInfo, TensorWrite, TensorRead, TensorRows, TensorUpdate,
-                TensorDrop)
+                TensorDrop,
+                SampleJob, SampleResult, WorkerReady, WorkerStop)
 }
 assert set(MESSAGE_CLASSES) == set(MsgType), "every MsgType needs a message class"

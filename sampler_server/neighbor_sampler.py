@@ -10,13 +10,14 @@ holding the whole graph.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from common.errors import BadRequestError
 from common.sampled_mfg import Layer, SampledMFG
 from sampler_server.partition_store import PartitionStore, merge_neighbors
 
@@ -39,7 +40,6 @@ class Timings:
     gather_s: float = 0.0
     remote_s: float = 0.0
     remote_requests: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def relabel(dst: Tensor, src: Tensor, scratch: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
@@ -104,7 +104,7 @@ class DistributedNeighbors:
     def _remote(self, groups: dict[int, Tensor], nodes: Tensor) -> dict[int, Tensor]:
         remote = {p: nodes[pos] for p, pos in groups.items() if p != self.store.part_id}
         if remote and self.peers is None:
-            raise RuntimeError(
+            raise BadRequestError(
                 f"nodes of parts {sorted(remote)} are needed but this server (part "
                 f"{self.store.part_id}) has no cluster file to reach their servers; "
                 "start it with --cluster")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from common.dgl_compat import import_dgl
+from common.errors import BadRequestError
 from partition.layout import Partition, load_partition
 
 
@@ -107,7 +108,7 @@ class PartitionStore:
         halo &= ~owned
         if not bool((owned | halo).all()):
             bad = gids[~(owned | halo)][:5].tolist()
-            raise ValueError(f"part {self.part_id} does not hold nodes {bad}... (it owns global "
+            raise BadRequestError(f"part {self.part_id} does not hold nodes {bad}... (it owns global "
                              f"ids [{self.start}, {self.end}) plus its halo)")
         own_pos = torch.nonzero(owned).flatten()
         halo_pos = torch.nonzero(halo).flatten()

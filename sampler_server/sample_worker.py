@@ -19,21 +19,18 @@ import zmq
 from common import codec
 from common.cluster import ClusterSpec
 from common.config import ServerConfig
-from common.errors import MfgServeError, PeerTimeoutError, ProtocolError, RemoteError
-from common.messages import FEAT_TRANSFER_DTYPES, ErrorReply, MFGReply, SampleRequest
+from common.errors import MfgServeError, ProtocolError
+from common.messages import FEAT_TRANSFER_DTYPES, MFGReply, SampleRequest
 from common.sampled_mfg import FEAT_RING, Features
 from common.shm_ring import ShmError, ShmWriter
 from common.sockets import CurveKeys
+from common.stats import RequestTimings, SampleCounts
 from partition.layout import HOT_RANK_FILE, cached_mask
 from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, new_scratch, sample_mfg
 from sampler_server.partition_store import PartitionStore
 from sampler_server.peer_client import WirePeers
 
 log = logging.getLogger("mfgserve.server")
-
-STAT_KEYS = ("sample_requests", "seeds_served", "sample_s", "gather_s", "remote_s",
-             "remote_requests", "remote_bytes", "encode_s", "bytes_out", "errors")
-
 
 def peer_keys(cfg: ServerConfig, cluster: ClusterSpec | None) -> CurveKeys | None:
     """Towards its peers a server is a client with its own key pair (CurveZMQ), or None."""
@@ -105,49 +102,41 @@ class SampleWorker:
         rows, _ = neighbors.gather(nodes, True, False)
         return Features.frames(rows, present, error)
 
-    def serve(self, msg: SampleRequest, rid: int, t_in: float) -> tuple[list, dict[str, float]]:
-        """(reply frames, stats to add). Errors become an ErrorReply; never raises for a
-        request's own failure."""
+    def idle(self) -> None:
+        """Between requests: forget the rings of trainers that went away."""
+        self.shm.expire()
+
+    def serve(self, msg: SampleRequest, rid: int, t_in: float) -> tuple[list, SampleCounts]:
+        """(reply frames, counts to add). A request that cannot be served raises; the
+        executor turns that into an error reply (common.service.error_reply)."""
         queue_s = time.perf_counter() - t_in
         timings = Timings()
         peers = self.peers
         peer_bytes0 = peers.bytes_received if peers else 0
-        try:
-            neighbors = DistributedNeighbors(self.store, peers, timings, self.scratch)
-            mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
-            want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
-            feat = self._features(msg, neighbors, mfg.input_nodes, want)
-            _, label = neighbors.gather(msg.seeds, False, msg.with_label)
-            t0 = time.perf_counter()
-            if feat.rows.dtype != want:
-                feat = dataclasses.replace(feat, rows=feat.rows.to(want))  # counted as encode time
-            remote_bytes = float((peers.bytes_received if peers else 0) - peer_bytes0)
-            shm_rows = feat.num_rows if feat.via == FEAT_RING else 0
-            reply = MFGReply(mfg=mfg.with_data(feat, label), timings={
-                "sample_s": timings.sample_s, "gather_s": timings.gather_s,
-                "remote_s": timings.remote_s, "remote_requests": float(timings.remote_requests),
-                "remote_bytes": remote_bytes, "cached_rows": float(feat.cached_rows),
-                "queue_s": queue_s, "shm_rows": float(shm_rows)})
-            frames = codec.encode(reply, rid)
-            encode_s = time.perf_counter() - t0
-            # Encoded again with the totals (cheap: tensors are not copied); the first
-            # encode is the timed one.
-            reply.timings["encode_s"] = encode_s
-            reply.timings["server_s"] = time.perf_counter() - t_in
-            frames = codec.encode(reply, rid)
-            return frames, {
-                "sample_requests": 1, "seeds_served": msg.seeds.numel(),
-                "sample_s": timings.sample_s, "gather_s": timings.gather_s,
-                "remote_s": timings.remote_s, "remote_requests": timings.remote_requests,
-                "remote_bytes": remote_bytes, "encode_s": encode_s,
-                "bytes_out": sum(memoryview(f).nbytes for f in frames)}
-        except ProtocolError as e:
-            code, text = e.code, str(e)
-        except PeerTimeoutError as e:
-            code, text = "peer_timeout", str(e)
-        except RemoteError as e:
-            code, text = "peer_error", str(e)
-        except Exception as e:
-            log.exception("part %d: sampling failed", self.cfg.part_id)
-            code, text = "internal", f"{type(e).__name__}: {e}"
-        return codec.encode(ErrorReply(code=code, message=text), rid), {"errors": 1}
+        neighbors = DistributedNeighbors(self.store, peers, timings, self.scratch)
+        mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
+        want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
+        feat = self._features(msg, neighbors, mfg.input_nodes, want)
+        _, label = neighbors.gather(msg.seeds, False, msg.with_label)
+        t0 = time.perf_counter()
+        if feat.rows.dtype != want:
+            feat = dataclasses.replace(feat, rows=feat.rows.to(want))  # counted as encode time
+        remote_bytes = (peers.bytes_received if peers else 0) - peer_bytes0
+        times = RequestTimings(
+            sample_s=timings.sample_s, gather_s=timings.gather_s, remote_s=timings.remote_s,
+            remote_requests=timings.remote_requests, remote_bytes=remote_bytes,
+            cached_rows=feat.cached_rows, queue_s=queue_s,
+            shm_rows=feat.num_rows if feat.via == FEAT_RING else 0)
+        reply = MFGReply(mfg=mfg.with_data(feat, label), timings=times.to_wire())
+        frames = codec.encode(reply, rid)
+        times.encode_s = time.perf_counter() - t0
+        # Encoded again with the totals (cheap: tensors are not copied); the first
+        # encode is the timed one.
+        times.server_s = time.perf_counter() - t_in
+        reply.timings = times.to_wire()
+        frames = codec.encode(reply, rid)
+        return frames, SampleCounts(
+            sample_requests=1, seeds_served=msg.seeds.numel(), sample_s=timings.sample_s,
+            gather_s=timings.gather_s, remote_s=timings.remote_s,
+            remote_requests=timings.remote_requests, remote_bytes=remote_bytes,
+            encode_s=times.encode_s)

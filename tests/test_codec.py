@@ -42,12 +42,16 @@ from common.messages import (
     NodeDataRequest,
     Ping,
     Pong,
+    SampleJob,
     SampleRequest,
+    SampleResult,
     SeedsReply,
     SeedsRequest,
     Shutdown,
     StatsReply,
     StatsRequest,
+    WorkerReady,
+    WorkerStop,
 )
 from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
 from common.shm_ring import SlotRef
@@ -126,6 +130,16 @@ def examples() -> dict[MsgType, Message]:
         MsgType.CACHE_FILL_REQ: CacheFillRequest(cache_ratio=0.25, feat_dtype="float16"),
         MsgType.CACHE_FILL: CacheFillReply(nodes=torch.tensor([3, 9, 11]),
                                            feat=torch.randn(3, 16)),
+        MsgType.SAMPLE_JOB: SampleJob.of(
+            SampleRequest(seeds=torch.tensor([5, 1, 9]), fanouts=[10, -1],
+                          slot=SlotRef(4242, 7, "ab" * 16, 4096, 1 << 20)),
+            client=torch.tensor([0, 128, 7, 255, 1], dtype=torch.uint8), t_in=12.5),
+        MsgType.SAMPLE_RESULT: SampleResult(
+            client=torch.tensor([0, 128, 7, 255, 1], dtype=torch.uint8),
+            stats={"sample_requests": 1.0, "sample_s": 0.25},
+            reply=[torch.arange(40, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]),
+        MsgType.WORKER_READY: WorkerReady(index=1, pid=4242),
+        MsgType.WORKER_STOP: WorkerStop(),
     }
 
 

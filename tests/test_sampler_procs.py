@@ -4,6 +4,7 @@ server's exit (asked or killed) takes its workers with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ import zmq
 from common.cluster import ClusterSpec
 from common.messages import MFGReply, SampleRequest, StatsReply, StatsRequest
 from common.rpc import RpcChannel
+from common.stats import ServerStats
 from tests.test_mfg_oracle import Oracle, mixed_seeds
 
 pytestmark = pytest.mark.timeout(240)
@@ -59,6 +61,7 @@ def test_mfgs_from_sampler_processes_match_graph(server_factory, synth_graph, sy
         ctx.term()
     assert isinstance(stats, StatsReply)
     v = stats.values
+    assert list(v) == [f.name for f in dataclasses.fields(ServerStats)]  # typed, by name
     assert v["sample_requests"] == 6 and v["errors"] == 0 and v["queue_len"] == 0
     assert v["sampler_processes"] == 3  # the server and its two workers
     assert 0 < v["mem_pss_bytes"] <= v["mem_rss_bytes"]

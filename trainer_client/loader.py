@@ -32,6 +32,7 @@ from common.rpc import expect
 from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
 from common.sockets import Deadline
+from common.stats import RequestTimings
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.server_pool import Handle, ServerPool
 
@@ -40,7 +41,8 @@ log = logging.getLogger("mfgserve.trainer")
 
 @dataclass
 class LoaderStats:
-    """Seconds and bytes accumulated over the batches this loader yielded."""
+    """Seconds and bytes accumulated over the batches this loader yielded (by the thread
+    iterating it, the only one that changes them)."""
 
     batches: int = 0
     seeds: int = 0
@@ -51,11 +53,21 @@ class LoaderStats:
     h2d_wait_s: float = 0.0  # waiting for a copy to finish (the part not hidden)
     ring_hits: int = 0  # replies whose features arrived in the shared-memory ring
     ring_misses: int = 0  # requests sent without a slot (none free)
-    server: dict[str, float] = field(default_factory=dict)
+    server: RequestTimings = field(default_factory=RequestTimings)  # summed over replies
 
     def add_server(self, timings: dict[str, float]) -> None:
-        for k, v in timings.items():
-            self.server[k] = self.server.get(k, 0.0) + v
+        """Add one reply's server timings (an MFG reply's ``timings``, by name)."""
+        self.server.add(RequestTimings.from_wire(timings))
+
+    def stage_seconds(self, compute_s: float) -> dict[str, float]:
+        """The summary's ``stages_s`` (this trainer's share; README documents the names)."""
+        s = self.server
+        return {"server_sample_s": s.sample_s, "server_gather_s": s.gather_s,
+                "server_remote_s": s.remote_s, "server_encode_s": s.encode_s,
+                "server_queue_s": s.queue_s, "server_total_s": s.server_s,
+                "wire_s": self.wire_s, "decode_s": self.decode_s,
+                "trainer_wait_s": self.wait_s, "h2d_s": self.h2d_s,
+                "h2d_wait_s": self.h2d_wait_s, "forward_backward_s": compute_s}
 
 
 def shard_batches(seeds: Tensor, batch_size: int, rank: int, world_size: int, *,

@@ -287,17 +287,11 @@ def _summarize(cfg: TrainerConfig, ddp: DDPSetup, device, t_start: float, info,
     totals = _all_sum([st.seeds, fit.train_s], ddp, device)
     seeds_total, train_s_sum = totals
     mean_train_s = train_s_sum / ddp.world_size
-    stage_names = ["sample_s", "gather_s", "remote_s", "encode_s", "queue_s", "server_s"]
-    stage_vals = _all_sum([st.server.get(k, 0.0) for k in stage_names]
-                          + [st.wire_s, st.decode_s, st.wait_s, st.h2d_s, st.h2d_wait_s,
-                             fit.compute_s], ddp, device)
-    stages = dict(zip(["server_sample_s", "server_gather_s", "server_remote_s",
-                       "server_encode_s", "server_queue_s", "server_total_s", "wire_s",
-                       "decode_s", "trainer_wait_s", "h2d_s", "h2d_wait_s",
-                       "forward_backward_s"], [round(v, 4) for v in stage_vals]))
+    local = st.stage_seconds(fit.compute_s)
+    stages = {name: round(v, 4)
+              for name, v in zip(local, _all_sum(list(local.values()), ddp, device))}
     remote_requests, remote_bytes = _all_sum(
-        [st.server.get("remote_requests", 0.0), st.server.get("remote_bytes", 0.0)],
-        ddp, device)
+        [st.server.remote_requests, st.server.remote_bytes], ddp, device)
     pool.close()
     bytes_rx = _all_sum([pool.bytes_received], ddp, device)[0]
     summary = {
