@@ -1,9 +1,11 @@
 """Server-held node tensors: named, typed per-node rows of this part that trainers create,
 write (scatter rows), read (gather rows) and update with a sparse optimizer step.
 
-Domain code (no sockets): the server registers :meth:`NodeTensorStore.handlers` in its
-handler table, one handler per message type; each takes a decoded request and returns the
-reply, or raises :class:`ProtocolError` with a code the client sees in the ERROR reply.
+Domain code (no sockets): :meth:`NodeTensorStore.register` puts one handler per message type
+in the server's handler table (common/service.py); each takes a decoded request and returns
+the reply, or raises :class:`ProtocolError` with a code the client sees in the ERROR reply.
+They run inline on the server's IO thread (never queued behind SAMPLE jobs); the locks make
+them safe from any thread.
 
 Invariants: a tensor holds one row per node the part owns (global ids ``[start, end)``; halo
 nodes are not owned); every id of a request must lie there (``not_owned`` otherwise). One
@@ -113,6 +115,11 @@ class NodeTensorStore:
         return {TensorCreate: self.handle_create, TensorWrite: self.handle_write,
                 TensorRead: self.handle_read, TensorUpdate: self.handle_update,
                 TensorDrop: self.handle_drop}
+
+    def register(self, service) -> None:
+        """Answer the node tensor messages on ``service`` (a common.service.Service)."""
+        for cls, fn in self.handlers().items():
+            service.handle(cls, lambda msg, _call, fn=fn: fn(msg))
 
     @property
     def nbytes(self) -> int:

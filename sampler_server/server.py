@@ -62,6 +62,7 @@ from common.service import Call, Service, Transport
 from common.sockets import read_token
 from common.stats import ServerStats, process_memory
 from partition.layout import load_hot_rank
+from sampler_server.node_tensors import NodeTensorStore
 from sampler_server.partition_store import PartitionStore
 from sampler_server.sample_worker import SampleWorker, hot_rank_or_error, peer_keys
 from sampler_server.sampler_proc import worker_argv
@@ -196,6 +197,8 @@ class SamplerServer:
             where=f"part {cfg.part_id}")
         self.endpoint = self.service.endpoint
         PartitionHandlers(cfg, self.store, hot_rank, self.service).register()
+        NodeTensorStore(cfg.part_id, self.store.start, self.store.end,
+                        cfg.max_node_tensor_mb << 20).register(self.service)
         self.service.use(make_executor(cfg, self.store, hot_rank, cluster))
 
     @property
