@@ -9,11 +9,11 @@ import pytest
 import torch
 import zmq
 from procs import run_cli
+from rpc_helpers import call
 
 from common.cluster import ClusterSpec
 from common.errors import PeerDisconnectedError, PeerTimeoutError
 from common.messages import MFGReply, Ping, Pong, SampleRequest
-from common.rpc import RpcChannel
 from common.sockets import CurveKeys
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,15 +41,14 @@ def test_only_authorized_clients_are_answered(server_factory, synth_parts2, tmp_
     ep0 = cluster.partitions[0][0]
     ctx = zmq.Context()
     try:
-        good = RpcChannel(ctx, ep0, timeout_s=20, setting="test",
-                          curve=CurveKeys.load(trainer["secret"], server["public"]))
-        assert isinstance(good.call(Ping()), Pong)
+        good = CurveKeys.load(trainer["secret"], server["public"])
+        call(ep0, Ping(), Pong, ctx=ctx, timeout_s=20, curve=good)
         # seeds of both parts: part 0's server must authenticate to part 1's server
         seeds = torch.tensor([0, 1, 2, 2999, 2998])
-        reply = good.call(SampleRequest(seeds=seeds, fanouts=[3, 3]))
+        reply = call(ep0, SampleRequest(seeds=seeds, fanouts=[3, 3]), ctx=ctx, timeout_s=20,
+                     curve=good)
         assert isinstance(reply, MFGReply) and reply.mfg.only.label.numel() == 5
         assert reply.timings["remote_requests"] > 0
-        good.close()
 
         wrong_server = _keys(tmp_path, "fake-server", authorize=False)
         attempts = {
@@ -58,14 +57,10 @@ def test_only_authorized_clients_are_answered(server_factory, synth_parts2, tmp_
             "wrong server key": CurveKeys.load(trainer["secret"], wrong_server["public"]),
         }
         for _what, curve in attempts.items():
-            ch = RpcChannel(ctx, ep0, timeout_s=2, setting="test", curve=curve)
-            try:
-                # refused: the handshake fails, so no reply ever comes (a dropped connection
-                # or the deadline, never an answer)
-                with pytest.raises((PeerTimeoutError, PeerDisconnectedError)):
-                    ch.call(Ping())
-            finally:
-                ch.close()
+            # refused: the handshake fails, so no reply ever comes (a dropped connection
+            # or the deadline, never an answer)
+            with pytest.raises((PeerTimeoutError, PeerDisconnectedError)):
+                call(ep0, Ping(), ctx=ctx, timeout_s=2, curve=curve)
     finally:
         ctx.destroy(linger=0)
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 import zmq
 from procs import REPO, clean_env, free_ports, tail
+from rpc_helpers import call, channel
 
 from common.cluster import ClusterSpec
 from common.errors import RemoteError
 from common.messages import StatsReply, StatsRequest
-from common.rpc import RpcChannel, expect
 from common.shm_ring import ShmRing
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.server_pool import ServerPool
@@ -42,15 +42,7 @@ def _tcp_servers(server_factory, parts: Path, tmp_path: Path):
 
 
 def _sample_requests(endpoint: str) -> float:
-    ctx = zmq.Context()
-    try:
-        ch = RpcChannel(ctx, endpoint, timeout_s=10, setting="the test's timeout")
-        try:
-            return expect(ch.call(StatsRequest()), StatsReply, endpoint).values["sample_requests"]
-        finally:
-            ch.close()
-    finally:
-        ctx.term()
+    return call(endpoint, StatsRequest(), StatsReply).values["sample_requests"]
 
 
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
@@ -144,12 +136,7 @@ def test_dead_peer_errors_say_what_happened(tmp_path):
     assert "CurveZMQ" in _verdict([E.EVENT_CONNECTED, E.EVENT_HANDSHAKE_FAILED_AUTH], True)
     # a real channel to a port nothing listens on: refused, within the deadline
     (port,) = free_ports(1)
-    ctx = zmq.Context()
-    ch = RpcChannel(ctx, f"tcp://127.0.0.1:{port}", timeout_s=1.0, setting="--x")
-    try:
+    with channel(f"tcp://127.0.0.1:{port}", timeout_s=1.0, setting="--x") as ch:
         ch.send(StatsRequest())
         with pytest.raises(TimeoutError, match="nothing listens"):
             ch.recv()
-    finally:
-        ch.close()
-        ctx.term()

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from procs import REPO, clean_env, free_ports
+from rpc_helpers import call
 
 from common.cluster import ClusterSpec
 from common.errors import RemoteError
 from common.messages import Ack, MFGReply, Ping, Pong, SampleRequest, Shutdown
-from common.rpc import RpcChannel, expect
 from partition.layout import PartitionSetMeta
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,18 +31,6 @@ def random_parts2(tmp_path_factory, synth_graph) -> Path:
     out = tmp_path_factory.mktemp("random2")
     partition_graph(synth_graph, 2, str(out), method="random", seed=0, progress=False)
     return out
-
-
-def _call(endpoint: str, msg, timeout_s: float = 10.0):
-    ctx = zmq.Context()
-    try:
-        ch = RpcChannel(ctx, endpoint, timeout_s=timeout_s, setting="the test's timeout")
-        try:
-            return ch.call(msg)
-        finally:
-            ch.close()
-    finally:
-        ctx.term()
 
 
 def _mixed(server_factory, metis: Path, random: Path, tmp_path: Path):
@@ -76,13 +63,12 @@ def test_mixed_partition_sets_refused_at_connect(server_factory, synth_parts2, r
     # servers checked each other too: part 0 samples across into part 1 and is refused
     seeds = torch.arange(0, 40, dtype=torch.int64)
     with pytest.raises(RemoteError) as err:
-        expect(_call(s0.endpoint, SampleRequest(seeds=seeds, fanouts=[10, 10])), MFGReply,
-               s0.endpoint)
+        call(s0.endpoint, SampleRequest(seeds=seeds, fanouts=[10, 10]), MFGReply)
     assert id_a in str(err.value) and id_b in str(err.value), str(err.value)
     # a request naming a set the server does not serve is refused up front
     with pytest.raises(RemoteError, match="wrong_partition_set"):
-        _call(s1.endpoint, SampleRequest(seeds=seeds + 2000, fanouts=[5], set_id=id_a))
-    pong = expect(_call(s1.endpoint, Ping()), Pong, s1.endpoint)  # still serving
+        call(s1.endpoint, SampleRequest(seeds=seeds + 2000, fanouts=[5], set_id=id_a))
+    pong = call(s1.endpoint, Ping(), Pong)  # still serving
     assert pong.set_id == id_b
 
 
@@ -90,9 +76,9 @@ def test_shutdown_needs_the_token(server_factory, synth_parts1):
     server = server_factory(synth_parts1, 0)
     for token in ("", "f" * 32):
         with pytest.raises(RemoteError, match="forbidden"):
-            _call(server.endpoint, Shutdown(token=token))
-    assert isinstance(_call(server.endpoint, Ping()), Pong)  # still serving
-    assert isinstance(_call(server.endpoint, Shutdown(token=server.token)), Ack)
+            call(server.endpoint, Shutdown(token=token))
+    call(server.endpoint, Ping(), Pong)  # still serving
+    call(server.endpoint, Shutdown(token=server.token), Ack)
     assert server.proc.wait(timeout=20) == 0
     server.stop_and_check()
 
@@ -110,7 +96,7 @@ def test_shutdown_refused_without_token_file(synth_parts1, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         with pytest.raises(RemoteError, match="SIGTERM"):
-            _call(ep, Shutdown(token="0" * 32))
+            call(ep, Shutdown(token="0" * 32))
         assert proc.poll() is None
     finally:
         proc.terminate()
