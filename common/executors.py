@@ -40,7 +40,7 @@ import torch
 import zmq
 
 from common import codec
-from common.errors import MfgServeError
+from common.errors import ChildFailedError
 from common.lifetime import die_with_parent
 from common.messages import Message, SampleJob, SampleResult, WorkerReady, WorkerStop
 from common.service import Call, Service, error_reply
@@ -251,9 +251,9 @@ class ProcessExecutor(Executor):
         while len(self.idle) < len(self.procs):
             self.tick()
             if self.service.fatal:
-                raise MfgServeError(f"{self.service.where}: {self.service.fatal}")
+                raise ChildFailedError(f"{self.service.where}: {self.service.fatal}")
             if time.monotonic() > deadline:
-                raise MfgServeError(
+                raise ChildFailedError(
                     f"{self.service.where}: {len(self.procs) - len(self.idle)} sampler "
                     f"process(es) not ready after {START_TIMEOUT_S:.0f}s; use fewer "
                     "--sampler-procs or check memory")

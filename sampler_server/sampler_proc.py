@@ -12,15 +12,13 @@ breaks; the server treats any worker exit it did not ask for as fatal.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import sys
 
 import torch
 
 from common.cluster import ClusterSpec
-from common.config import ServerConfig
+from common.config import ServerConfig, add_config_args, load_config, to_argv
 from common.executors import run_worker_process
 from partition.layout import load_hot_rank
 from sampler_server.partition_store import PartitionStore
@@ -31,7 +29,7 @@ log = logging.getLogger("mfgserve.server")
 
 def worker_argv(cfg: ServerConfig, backend: str, index: int) -> list[str]:
     return [sys.executable, "-m", "sampler_server.sampler_proc", "--backend", backend,
-            "--index", str(index), "--config-json", json.dumps(dataclasses.asdict(cfg))]
+            "--index", str(index), *to_argv(cfg)]
 
 
 def run(cfg: ServerConfig, backend: str, index: int) -> int:
@@ -48,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
                                 description="internal: a sampler server's worker process")
     p.add_argument("--backend", required=True)
     p.add_argument("--index", type=int, required=True)
-    p.add_argument("--config-json", required=True)
+    add_config_args(p, ServerConfig)  # the server's own config (to_argv)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(name)s[sampler {args.index}] %(message)s")
     torch.set_num_threads(1)
-    cfg = ServerConfig(**json.loads(args.config_json))
+    cfg = load_config(ServerConfig, None, args)
     try:
         return run(cfg, args.backend, args.index)
     except KeyboardInterrupt:
