@@ -79,8 +79,13 @@ class ServerConfig:
     curve_authorized_keys: str = opt(
         "", "CurveZMQ: directory of public key files (*.key) of the clients allowed to connect "
         "(trainers, and the servers' own key for server-to-server requests)")
+    replica_suspect_s: float = opt(
+        30.0, "seconds a peer server that missed --peer-timeout-s (connection kept) is avoided "
+        "while another replica of its part is up (common/replicas.py)")
 
     def validate(self) -> None:
+        if self.replica_suspect_s < 0:
+            raise ConfigError(f"--replica-suspect-s must be >= 0, got {self.replica_suspect_s}")
         if not self.parts:
             raise ConfigError("sampler-server needs --parts DIR (a partition set)")
         if self.part_id < 0:
@@ -157,8 +162,13 @@ class TrainerConfig:
     curve_secret_key: str = opt(
         "", "CurveZMQ: this trainer's secret key file (NAME.key_secret from mfgserve-keys); "
         "the servers' public key comes from the cluster file's curve_server_key")
+    replica_suspect_s: float = opt(
+        30.0, "seconds a server that missed --request-timeout-s (connection kept) is avoided "
+        "while another replica of its part is up (common/replicas.py)")
 
     def validate(self) -> None:
+        if self.replica_suspect_s < 0:
+            raise ConfigError(f"--replica-suspect-s must be >= 0, got {self.replica_suspect_s}")
         if not self.cluster:
             raise ConfigError("trainer-client needs --cluster FILE.yaml (server endpoints)")
         _check_fanouts(self.fanouts, "--fanouts")

@@ -9,6 +9,7 @@ libzmq's pings within the heartbeat timeout: frozen, or unreachable). Requests i
 answered, so they move to :attr:`RpcChannel.lost` and :meth:`RpcChannel.recv` raises
 :class:`PeerDisconnectedError` at once instead of waiting out the deadline. libzmq reconnects
 by itself; a restarted server at the same endpoint is used again with no action needed.
+Which server to ask, and what to do when one fails, is common/replicas.py's policy.
 """
 
 from __future__ import annotations
@@ -72,9 +73,7 @@ class RpcChannel:
         # No disconnect since the last completed handshake. A frozen server still accepts
         # connections (the kernel does that), but never completes a handshake: it stays down.
         self.up = True
-        self.suspect_until = 0.0  # avoided until then after missing a deadline
-        self.disconnects = 0
-        self.last_disconnect = 0.0
+        self.last_disconnect = 0.0  # time.monotonic() of the last drop
         self.bytes_received = 0
         self.seen: list[int] = []  # connection events since the last disconnect (diagnosis)
 
@@ -85,22 +84,11 @@ class RpcChannel:
             self.seen = [] if event == zmq.EVENT_DISCONNECTED else self.seen[-15:] + [event]
             if event == zmq.EVENT_DISCONNECTED:
                 self.up = False
-                self.disconnects += 1
                 self.last_disconnect = time.monotonic()
                 self.lost |= self.pending
                 self.pending.clear()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up = True
-
-    @property
-    def healthy(self) -> bool:
-        """Connected (handshake done, no drop since) and not recently unresponsive."""
-        self.poll_events()
-        return self.up and time.monotonic() >= self.suspect_until
-
-    def mark_suspect(self, seconds: float) -> None:
-        """Avoid this server for ``seconds`` (it missed a deadline but kept its connection)."""
-        self.suspect_until = time.monotonic() + seconds
 
     def send(self, msg: Message) -> int:
         rid = next(_ids)

@@ -58,10 +58,7 @@ class SampleWorker:
         self.cfg = cfg
         self.store = store
         self.hot_rank = hot_rank
-        self.peers = (WirePeers(ctx, cluster, cfg.part_id, cfg.peer_timeout_s,
-                                cfg.max_message_mb << 20, curve=keys,
-                                heartbeat=(cfg.heartbeat_s, cfg.heartbeat_timeout_s),
-                                set_id=store.meta.set_id)
+        self.peers = (WirePeers(ctx, cluster, cfg, curve=keys, set_id=store.meta.set_id)
                       if cluster else None)
         self.scratch = new_scratch(store.meta.num_nodes)
         self.shm = ShmWriter()

@@ -1,89 +1,51 @@
 """The trainer's connections to the sampler servers (transport layer).
 
-One :class:`common.rpc.RpcChannel` per server endpoint; requests for a part go round-robin
-over its replicas that are up. Replies can arrive in any order; :meth:`ServerPool.wait`
-returns the one asked for and buffers the others.
-
-Failover: when a server's connection drops (or it misses the ``--request-timeout-s``
-deadline) with a request in flight, :meth:`wait` re-sends that request to another replica of
-the same part. The old request id is forgotten, so a late reply to it is dropped: each
-request is answered, and each batch yielded, exactly once. With no replica left the error
-names the part, the endpoint and what to change.
+A :class:`common.replicas.ReplicaSet` over every part's servers (one
+:class:`common.rpc.RpcChannel` per endpoint): requests go round-robin over a part's healthy
+replicas and fail over to another replica when a server dies or misses the
+``--request-timeout-s`` deadline, each request answered exactly once (see common/replicas.py
+for the policy and ``--replica-suspect-s``). This adds the trainer's setup calls (every
+server must serve the same partition set) and drops a shared-memory slot from a re-sent
+SampleRequest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import logging
-import time
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 import zmq
 
 from common.cluster import ClusterSpec
-from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError, RemoteError
-from common.messages import (
-    Message,
-    Ping,
-    Pong,
-    SampleRequest,
-    SeedsReply,
-    SeedsRequest,
-    StatsReply,
-    StatsRequest,
-)
+from common.errors import MfgServeError
+from common.messages import Message, Ping, Pong, SampleRequest, SeedsReply, SeedsRequest
+from common.replicas import SUSPECT_S, Handle, ReplicaSet
 from common.rpc import RpcChannel, expect
-from common.sockets import CurveKeys, Deadline
+from common.sockets import CurveKeys
 
-log = logging.getLogger("mfgserve.trainer")
-SUSPECT_S = 30.0  # a server that missed a deadline is avoided this long while others are up
-
-
-@dataclass
-class Handle:
-    """One request in flight: where it went, and what to re-send on failover."""
-
-    part: int
-    msg: Message
-    channel: RpcChannel
-    rid: int
-    sent_at: float
-    attempts: int = 1
-    error: Exception | None = None  # why it will never be answered (wait() raises it)
+__all__ = ["Handle", "ServerPool"]
 
 
-class NoServerError(MfgServeError):
-    """Every server of a part is down or unresponsive."""
-
-
-class ServerPool:
+class ServerPool(ReplicaSet):
     def __init__(self, cluster: ClusterSpec, *, timeout_s: float, max_message_bytes: int,
                  curve: CurveKeys | None = None, heartbeat_s: float = 0.0,
-                 heartbeat_timeout_s: float = 0.0):
+                 heartbeat_timeout_s: float = 0.0, suspect_s: float = SUSPECT_S):
         self.ctx = zmq.Context()
         self.cluster = cluster
         self.timeout_s = timeout_s
-        setting = "--request-timeout-s"
-        self.channels = {ep: RpcChannel(self.ctx, ep, timeout_s=timeout_s, setting=setting,
-                                        max_message_bytes=max_message_bytes, curve=curve,
-                                        heartbeat_s=heartbeat_s,
-                                        heartbeat_timeout_s=heartbeat_timeout_s)
-                         for _, ep in cluster.all_endpoints()}
-        self._rr = {p: itertools.cycle(eps) for p, eps in cluster.partitions.items()}
-        self._buffered: dict[tuple[str, int], Message] = {}
-        self._inflight: dict[tuple[str, int], Handle] = {}
-        self.bytes_received = 0
-        self.failovers = 0
-        self.set_id = ""  # the servers' partition set, once info() checked they agree
+        super().__init__(cluster.partitions, partial(
+            RpcChannel, self.ctx, timeout_s=timeout_s, setting="--request-timeout-s",
+            max_message_bytes=max_message_bytes, curve=curve, heartbeat_s=heartbeat_s,
+            heartbeat_timeout_s=heartbeat_timeout_s), suspect_s=suspect_s)
 
     # ------------------------------------------------------------------ setup calls
     def info(self) -> Pong:
-        """Ping every server; all must serve the same partition set, each the part listed."""
+        """Ping every server; all must serve the same partition set, each the part listed.
+        Every request after this names that partition set."""
         pongs = {}
         for part, ep in self.cluster.all_endpoints():
-            pong = expect(self.channels[ep].call(Ping(), waiting_for="a ping reply"), Pong, ep)
+            pong = expect(self.channel(ep).call(Ping(), waiting_for="a ping reply"), Pong, ep)
             if pong.part_id != part:
                 raise MfgServeError(f"{ep} serves part {pong.part_id}, but the cluster file "
                                     f"lists it under part {part}; fix the cluster file")
@@ -114,147 +76,15 @@ class ServerPool:
             out.append(expect(reply, SeedsReply, f"part {part}").seeds.clone())
         return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
-    def stats(self) -> dict[str, dict[str, float]]:
-        return {ep: expect(ch.call(StatsRequest()), StatsReply, ep).values
-                for ep, ch in self.channels.items()}
-
     # ------------------------------------------------------------------ requests
-    def _pick(self, part: int, avoid: RpcChannel | None = None) -> RpcChannel | None:
-        """Next replica of ``part`` that is up (not ``avoid``); None if there is none."""
-        eps = self.cluster.partitions[part]
-        for _ in range(len(eps)):
-            ch = self.channels[next(self._rr[part])]
-            if ch is not avoid and ch.healthy:
-                return ch
-        return None
-
-    def submit(self, part: int, msg: Message, before_send=None) -> Handle:
-        """Send ``msg`` to a replica of ``part``; ``before_send(endpoint, msg)`` returns it adapted
-        to the replica chosen (e.g. offer a shared-memory slot only to servers that can use
-        it)."""
-        ch = self._pick(part) or self.channels[next(self._rr[part])]  # all down: try anyway
-        if self.set_id and hasattr(msg, "set_id"):
-            msg = dataclasses.replace(msg, set_id=self.set_id)  # type: ignore[type-var]
-        if before_send is not None:
-            msg = before_send(ch.endpoint, msg)
-        handle = Handle(part, msg, ch, ch.send(msg), time.perf_counter())
-        self._inflight[(ch.endpoint, handle.rid)] = handle
-        return handle
-
-    def _failover_channel(self, ch: RpcChannel, error: Exception) -> None:
-        """Re-send every request in flight on ``ch`` to another replica of its part; a request
-        that cannot be re-sent fails (its handle keeps the error, :meth:`wait` raises it)."""
-        victims = [h for (ep, _), h in list(self._inflight.items()) if ep == ch.endpoint]
-        for handle in victims:
-            self._failover(handle, error)
-        ch.forget(set(ch.lost) | set(ch.pending))
-
-    def _fail(self, handle: Handle, error: Exception) -> None:
-        """``handle`` will never be answered: stop tracking it and keep the reason."""
-        handle.channel.forget({handle.rid})
-        self._inflight.pop((handle.channel.endpoint, handle.rid), None)
-        self._buffered.pop((handle.channel.endpoint, handle.rid), None)
-        handle.error = error
-
-    def _failover(self, handle: Handle, error: Exception) -> None:
-        old = handle.channel
-        self._fail(handle, error)
-        replicas = len(self.cluster.partitions[handle.part])
-        target = self._pick(handle.part, avoid=old)
-        if target is None or handle.attempts > replicas:
-            handle.error = NoServerError(
-                f"part {handle.part} has no server left to answer: {error}. "
-                f"{'No other replica is up' if replicas > 1 else 'It has no replica'} "
-                f"(cluster file lists {replicas} for it); restart the server(s) of part "
-                f"{handle.part} or add replicas to the cluster file")
-            handle.error.__cause__ = error
-            return
-        log.warning("re-sending %s for part %d from %s to %s: %s", handle.msg.TYPE.name,
-                    handle.part, old.endpoint, target.endpoint, error)
-        self.failovers += 1
-        handle.error = None
-        if isinstance(handle.msg, SampleRequest) and handle.msg.slot is not None:
+    def for_resend(self, msg: Message) -> Message:
+        if isinstance(msg, SampleRequest) and msg.slot is not None:
             # The old server may still write into the offered ring slot: the new one gets none.
-            handle.msg = dataclasses.replace(handle.msg, slot=None)
-        handle.channel, handle.rid = target, target.send(handle.msg)
-        handle.attempts += 1
-        self._inflight[(target.endpoint, handle.rid)] = handle
-
-    def _receive(self, ch: RpcChannel, waiting_for: str, timeout_s: float | None = None) -> None:
-        """Receive one reply on ``ch`` into the buffer; an error reply fails its own handle
-        (which may not be the one awaited)."""
-        try:
-            reply, rid = ch.recv(timeout_s, waiting_for=waiting_for)
-        except RemoteError as e:
-            victim = self._inflight.get((ch.endpoint, e.rid))
-            if victim is not None:
-                self._fail(victim, e)
-            return
-        if (ch.endpoint, rid) in self._inflight:
-            self._buffered[(ch.endpoint, rid)] = reply
-
-    def _take(self, handle: Handle) -> Message | None:
-        """The reply to ``handle`` if it arrived; raises its error if it failed."""
-        if handle.error is not None:
-            raise handle.error
-        key = (handle.channel.endpoint, handle.rid)
-        if key in self._buffered:
-            self._inflight.pop(key, None)
-            return self._buffered.pop(key)
-        if key not in self._inflight:
-            raise MfgServeError(f"request {handle.rid} to {handle.channel.endpoint} is no "
-                                "longer in flight (it was cancelled)")
-        return None
-
-    def wait(self, handle: Handle) -> Message:
-        """The reply to ``handle``, failing over to replicas as needed (see module doc).
-        Every call ends: with the reply, or with the error that ended the request."""
-        while True:
-            reply = self._take(handle)
-            if reply is not None:
-                return reply
-            ch = handle.channel
-            try:
-                self._receive(ch, f"the reply to {handle.msg.TYPE.name} for part {handle.part}")
-            except (PeerDisconnectedError, PeerTimeoutError) as e:
-                if isinstance(e, PeerTimeoutError):
-                    ch.mark_suspect(SUSPECT_S)
-                self._failover_channel(ch, e)
-
-    def settle(self, handle: Handle, deadline: Deadline) -> bool:
-        """Wait (until ``deadline``, never failing over) for the server ``handle`` was last
-        sent to to finish with it. True when it answered (a reply or an error reply); False
-        when it did not, or will not: the request is then cancelled."""
-        while True:
-            try:
-                if self._take(handle) is not None:
-                    return True
-            except RemoteError:
-                return True
-            except MfgServeError:
-                return False
-            ch = handle.channel
-            try:
-                self._receive(ch, "a reply to an abandoned request", deadline.left())
-            except PeerTimeoutError:
-                self.cancel(handle)
-                return False
-            except PeerDisconnectedError as e:
-                for h in [h for (ep, rid), h in list(self._inflight.items())
-                          if ep == ch.endpoint and rid in ch.lost]:
-                    self._fail(h, e)
-                ch.forget(set(ch.lost))
-                return False
-
-    def cancel(self, handle: Handle) -> None:
-        """Forget ``handle``: a late reply to it is dropped."""
-        if handle.error is None:
-            self._fail(handle, MfgServeError("cancelled"))
+            return dataclasses.replace(msg, slot=None)
+        return msg
 
     def close(self) -> None:
         if self.ctx.closed:
             return
-        for ch in self.channels.values():
-            self.bytes_received += ch.bytes_received
-            ch.close()
+        super().close()
         self.ctx.term()

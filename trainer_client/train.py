@@ -172,7 +172,8 @@ def _make_pool(cfg: TrainerConfig) -> ServerPool:
                           "require CurveZMQ; pass this trainer's key with --curve-secret-key")
     return ServerPool(cluster, timeout_s=cfg.request_timeout_s,
                       max_message_bytes=cfg.max_message_mb << 20, curve=curve,
-                      heartbeat_s=cfg.heartbeat_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+                      heartbeat_s=cfg.heartbeat_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                      suspect_s=cfg.replica_suspect_s)
 
 
 def _grads_finite(net) -> bool:
