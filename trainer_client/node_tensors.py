@@ -4,7 +4,7 @@ A :class:`DistNodeTensor` is one named per-node tensor whose rows live on the sa
 each part's rows on its part's server. ``read``/``write``/``update`` take global node ids in
 any order, split them by owning part (``node_offsets`` from PONG), send one request per part
 over the trainer's :class:`~trainer_client.server_pool.ServerPool` at once, and put the
-answers back in the order asked.
+answers back in the order asked (the ReplicaSet's ``scatter_gather``).
 
 Replicas: a tensor's rows are state held by one server, so every part must have exactly one
 server in the cluster file (replicas would each hold their own diverging copy).
@@ -13,6 +13,7 @@ server in the cluster file (replicas would each hold their own diverging copy).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,7 +22,6 @@ from common.errors import ConfigError
 from common.messages import (
     NODE_TENSOR_DTYPES,
     Ack,
-    Message,
     TensorCreate,
     TensorDrop,
     TensorInfo,
@@ -30,7 +30,9 @@ from common.messages import (
     TensorUpdate,
     TensorWrite,
 )
-from common.rpc import expect
+
+if TYPE_CHECKING:
+    from trainer_client.server_pool import ServerPool
 
 
 class DistNodeTensor:
@@ -41,7 +43,7 @@ class DistNodeTensor:
     servers with ``lr``, ``betas`` and ``eps``.
     """
 
-    def __init__(self, pool, name: str, row_shape: Sequence[int], *, dtype: str = "float32",
+    def __init__(self, pool: ServerPool, name: str, row_shape: Sequence[int], *, dtype: str = "float32",
                  init: str = "zeros", init_scale: float = 0.0, seed: int = 0,
                  optimizer: str = "none", lr: float = 0.01,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -63,8 +65,8 @@ class DistNodeTensor:
         self.offsets = torch.tensor(list(offsets), dtype=torch.int64)
         self.num_nodes = int(self.offsets[-1])
         parts = range(self.offsets.numel() - 1)
-        infos = self._scatter({p: self.spec for p in parts})
-        self.created = any(expect(r, TensorInfo, f"part {p}").created for p, r in infos.items())
+        infos = pool.scatter_gather({p: self.spec for p in parts}, TensorInfo)
+        self.created = any(info.created for info in infos.values())
 
     # ------------------------------------------------------------------ row operations
     def read(self, ids: Tensor) -> Tensor:
@@ -72,10 +74,10 @@ class DistNodeTensor:
         ids = self._check_ids(ids)
         out = torch.empty((ids.numel(), *self.row_shape), dtype=self.dtype)
         split = self._split(ids)
-        replies = self._scatter({p: TensorRead(name=self.name, ids=ids[pos])
-                                 for p, pos in split.items()})
+        replies = self.pool.scatter_gather(
+            {p: TensorRead(name=self.name, ids=ids[pos]) for p, pos in split.items()}, TensorRows)
         for p, pos in split.items():
-            out[pos] = expect(replies[p], TensorRows, f"part {p}").rows
+            out[pos] = replies[p].rows
         return out
 
     def write(self, ids: Tensor, rows: Tensor) -> None:
@@ -83,21 +85,21 @@ class DistNodeTensor:
         written as one step on its server."""
         ids = self._check_ids(ids)
         rows = self._check_rows(rows, ids, "rows")
-        self._expect_acks({p: TensorWrite(name=self.name, ids=ids[pos], rows=rows[pos])
-                           for p, pos in self._split(ids).items()})
+        self.pool.scatter_gather({p: TensorWrite(name=self.name, ids=ids[pos], rows=rows[pos])
+                                  for p, pos in self._split(ids).items()}, Ack)
 
     def update(self, ids: Tensor, grads: Tensor) -> None:
         """One optimizer step on the servers for the rows of ``ids`` (gradients of a repeated
         id are summed)."""
         ids = self._check_ids(ids)
         grads = self._check_rows(grads, ids, "grads")
-        self._expect_acks({p: TensorUpdate(name=self.name, ids=ids[pos], grads=grads[pos])
-                           for p, pos in self._split(ids).items()})
+        self.pool.scatter_gather({p: TensorUpdate(name=self.name, ids=ids[pos], grads=grads[pos])
+                                  for p, pos in self._split(ids).items()}, Ack)
 
     def drop(self) -> None:
         """Free the tensor on every server."""
-        self._expect_acks({p: TensorDrop(name=self.name)
-                           for p in range(self.offsets.numel() - 1)})
+        self.pool.scatter_gather({p: TensorDrop(name=self.name)
+                                  for p in range(self.offsets.numel() - 1)}, Ack)
 
     # ------------------------------------------------------------------ helpers
     def _check_ids(self, ids: Tensor) -> Tensor:
@@ -122,21 +124,3 @@ class DistNodeTensor:
         part_of = torch.searchsorted(self.offsets, ids, right=True) - 1
         return {int(p): torch.nonzero(part_of == p).flatten()
                 for p in torch.unique(part_of).tolist()}
-
-    def _scatter(self, msgs: dict[int, Message]) -> dict[int, Message]:
-        """Send every part's request, then wait for every reply; the first error is raised
-        after the other requests are cancelled (their late replies are dropped)."""
-        handles = {p: self.pool.submit(p, msg) for p, msg in msgs.items()}
-        replies: dict[int, Message] = {}
-        try:
-            for p, handle in handles.items():
-                replies[p] = self.pool.wait(handle)
-        finally:
-            for p, handle in handles.items():
-                if p not in replies:
-                    self.pool.cancel(handle)
-        return replies
-
-    def _expect_acks(self, msgs: dict[int, Message]) -> None:
-        for p, reply in self._scatter(msgs).items():
-            expect(reply, Ack, f"part {p}")
