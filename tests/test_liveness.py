@@ -25,10 +25,11 @@ import pytest
 import torch
 import zmq
 from procs import REPO, ServerProcess, clean_env, free_ports, tail
+from rpc_helpers import call, channel
 
 from common.cluster import ClusterSpec
 from common.messages import MFGReply, Ping, Pong, SampleRequest, StatsReply, StatsRequest
-from common.rpc import RpcChannel, expect
+from common.rpc import expect
 
 LONG_JOB = ["--epochs", "1000", "--batch-size", "64", "--fanouts", "5,5", "--no-progress",
             "--max-inflight", "8", "--num-threads", "1"]
@@ -88,28 +89,18 @@ class Trainer:
 
 
 def _ping(ctx: zmq.Context, server: ServerProcess) -> Pong:
-    ch = RpcChannel(ctx, server.endpoint, timeout_s=RPC_TIMEOUT_S, setting="the test's timeout")
-    try:
-        return expect(ch.call(Ping()), Pong, server.endpoint)
-    finally:
-        ch.close()
+    return call(server.endpoint, Ping(), Pong, ctx=ctx, timeout_s=RPC_TIMEOUT_S)
 
 
 def _stats(ctx: zmq.Context, server: ServerProcess) -> dict[str, float]:
-    ch = RpcChannel(ctx, server.endpoint, timeout_s=RPC_TIMEOUT_S, setting="the test's timeout")
-    try:
-        return expect(ch.call(StatsRequest()), StatsReply, server.endpoint).values
-    finally:
-        ch.close()
+    return call(server.endpoint, StatsRequest(), StatsReply, ctx=ctx,
+                timeout_s=RPC_TIMEOUT_S).values
 
 
 def _sample(ctx: zmq.Context, endpoint: str, seeds: torch.Tensor) -> MFGReply:
     """One SampleRequest (fanouts 5,5) on a fresh channel, answered within the deadline."""
-    ch = RpcChannel(ctx, endpoint, timeout_s=RPC_TIMEOUT_S, setting="test timeout")
-    try:
-        return expect(ch.call(SampleRequest(seeds=seeds, fanouts=[5, 5])), MFGReply, endpoint)
-    finally:
-        ch.close()
+    return call(endpoint, SampleRequest(seeds=seeds, fanouts=[5, 5]), MFGReply, ctx=ctx,
+                timeout_s=RPC_TIMEOUT_S)
 
 
 def _wait_sampling(ctx: zmq.Context, servers: list[ServerProcess], trainers: list[Trainer],
@@ -293,8 +284,7 @@ def _vanish_mid_request(ctx: zmq.Context, endpoint: str, seeds: torch.Tensor) ->
     """Send SampleRequests, make sure the server has read them, and close without reading
     their replies (a client that disappears mid-request). Returns how many replies were
     left unread."""
-    ch = RpcChannel(ctx, endpoint, timeout_s=RPC_TIMEOUT_S, setting="the test's timeout")
-    try:
+    with channel(endpoint, ctx=ctx, timeout_s=RPC_TIMEOUT_S) as ch:
         for _ in range(ABANDONED_REQUESTS):
             ch.send(SampleRequest(seeds=seeds, fanouts=[-1, -1]))
         ch.send(Ping())
@@ -304,8 +294,6 @@ def _vanish_mid_request(ctx: zmq.Context, endpoint: str, seeds: torch.Tensor) ->
         while not isinstance(ch.recv(waiting_for="the Pong")[0], Pong):
             unread -= 1  # a sample reply beat the Pong (rare): it was read, not abandoned
         return unread
-    finally:
-        ch.close()
 
 
 @pytest.mark.timeout(150)
@@ -318,14 +306,11 @@ def test_connect_disconnect_churn_does_not_leak(server_factory, synth_parts1, tm
         all_nodes = torch.arange(pong.num_nodes)
         # Warm-up (not counted): concurrent whole-graph samples page in the mmapped partition
         # and give each sampler thread its allocator arena before the baseline is taken.
-        ch = RpcChannel(ctx, server.endpoint, timeout_s=RPC_TIMEOUT_S, setting="test timeout")
-        try:
+        with channel(server.endpoint, ctx=ctx, timeout_s=RPC_TIMEOUT_S) as ch:
             for _ in range(ABANDONED_REQUESTS):
                 ch.send(SampleRequest(seeds=all_nodes, fanouts=[-1, -1]))
             for _ in range(ABANDONED_REQUESTS):
                 expect(ch.recv(waiting_for="a warm-up sample")[0], MFGReply, server.endpoint)
-        finally:
-            ch.close()
         warm = ABANDONED_REQUESTS
         sent = unread = 0
         rss_100 = fds_100 = 0
@@ -334,13 +319,7 @@ def test_connect_disconnect_churn_does_not_leak(server_factory, synth_parts1, tm
             if i % ABANDON_EVERY == ABANDON_EVERY // 2:
                 unread += _vanish_mid_request(ctx, server.endpoint, all_nodes)
                 sent += ABANDONED_REQUESTS
-            ch = RpcChannel(ctx, server.endpoint, timeout_s=RPC_TIMEOUT_S,
-                            setting="the test's timeout")
-            try:
-                got = expect(ch.call(Ping()), Pong, server.endpoint)
-            finally:
-                ch.close()
-            assert got.pid == server.proc.pid
+            assert _ping(ctx, server).pid == server.proc.pid
             if i == 100:
                 _wait_idle(ctx, server, timeout=20.0)  # the vanished client's work is done
                 rss_100, fds_100 = proc.memory_info().rss, proc.num_fds()

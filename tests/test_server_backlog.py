@@ -10,10 +10,10 @@ import psutil
 import pytest
 import torch
 import zmq
+from rpc_helpers import call
 
 from common import codec
 from common.messages import MFGReply, SampleRequest, StatsReply, StatsRequest
-from common.rpc import RpcChannel, expect
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,11 +34,7 @@ def wide_parts(tmp_path_factory):
 
 
 def _stats(ctx, endpoint) -> dict[str, float]:
-    ch = RpcChannel(ctx, endpoint, timeout_s=20, setting="the test's timeout")
-    try:
-        return expect(ch.call(StatsRequest()), StatsReply, endpoint).values
-    finally:
-        ch.close()
+    return call(endpoint, StatsRequest(), StatsReply, ctx=ctx, timeout_s=20).values
 
 
 def _request(i: int) -> SampleRequest:
@@ -52,9 +48,8 @@ def test_non_reading_client_is_bounded_and_freed(server_factory, wide_parts):
     proc = psutil.Process(server.proc.pid)
     ctx = zmq.Context()
     try:
-        reply_bytes = len(b"".join(bytes(memoryview(f)) for f in codec.encode(
-            expect(RpcChannel(ctx, server.endpoint, timeout_s=30, setting="t").call(
-                _request(0)), MFGReply, server.endpoint), 1)))
+        first = call(server.endpoint, _request(0), MFGReply, ctx=ctx, timeout_s=30)
+        reply_bytes = len(b"".join(bytes(memoryview(f)) for f in codec.encode(first, 1)))
         rss0 = proc.memory_info().rss
         greedy = ctx.socket(zmq.DEALER)
         greedy.setsockopt(zmq.RCVHWM, 1)  # libzmq stops reading for it: replies stay queued
@@ -75,9 +70,7 @@ def test_non_reading_client_is_bounded_and_freed(server_factory, wide_parts):
         assert st["backlog_bytes"] <= (LIMIT_MB << 20) + reply_bytes, st
         assert peak - rss0 < bound, (peak - rss0, bound, reply_bytes)
         # others are still served while it hogs its queue
-        ch = RpcChannel(ctx, server.endpoint, timeout_s=30, setting="t")
-        assert isinstance(ch.call(_request(7)), MFGReply)
-        ch.close()
+        call(server.endpoint, _request(7), MFGReply, ctx=ctx, timeout_s=30)
         greedy.close(0)
         deadline = time.monotonic() + 30
         while _stats(ctx, server.endpoint)["backlog_bytes"] > 0:

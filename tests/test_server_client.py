@@ -24,10 +24,10 @@ import pytest
 import zmq
 from netns import Host, NetnsLab, list_namespaces, netns_hosts
 from procs import REPO, ServerProcess, clean_env, free_ports, tail
+from rpc_helpers import call
 
 from common.cluster import ClusterSpec
 from common.messages import Ping, Pong, StatsReply, StatsRequest
-from common.rpc import RpcChannel, expect
 
 TRAIN_ARGS = ["--epochs", "2", "--batch-size", "256", "--fanouts", "5,5", "--no-progress",
               "--num-threads", "1"]
@@ -99,13 +99,8 @@ def _check_summary(summary: dict, num_trainers: int) -> None:
 
 
 def _ping_and_stats(ctx: zmq.Context, endpoint: str) -> tuple[Pong, dict[str, float]]:
-    ch = RpcChannel(ctx, endpoint, timeout_s=10.0, setting="the test's 10 s timeout")
-    try:
-        pong = expect(ch.call(Ping()), Pong, endpoint)
-        stats = expect(ch.call(StatsRequest()), StatsReply, endpoint).values
-        return pong, stats
-    finally:
-        ch.close()
+    return (call(endpoint, Ping(), Pong, ctx=ctx),
+            call(endpoint, StatsRequest(), StatsReply, ctx=ctx).values)
 
 
 # --------------------------------------------------------------------------- loopback TCP
@@ -182,17 +177,12 @@ class NsServer(ServerProcess):
 
 
 STATS_SNIPPET = """
-import json, sys, zmq
+import json, sys
+sys.path.insert(0, "tests")
 from common.messages import Ping, Pong, StatsReply, StatsRequest
-from common.rpc import RpcChannel, expect
-ctx = zmq.Context()
-out = {}
-for ep in sys.argv[1:]:
-    ch = RpcChannel(ctx, ep, timeout_s=10.0, setting="the test's timeout")
-    pong = expect(ch.call(Ping()), Pong, ep)
-    out[ep] = {"part_id": pong.part_id, **expect(ch.call(StatsRequest()), StatsReply, ep).values}
-    ch.close()
-ctx.term()
+from rpc_helpers import call
+out = {ep: {"part_id": call(ep, Ping(), Pong).part_id,
+            **call(ep, StatsRequest(), StatsReply).values} for ep in sys.argv[1:]}
 print(json.dumps(out))
 """
 
