@@ -133,96 +133,71 @@ def _summary_lines(meta, load_s: float, total_s: float) -> list[str]:
     return lines
 
 
+def _load(cfg: PartitionConfig, progress: bool):
+    """The input graph: generated (``--dataset synthetic``) or loaded through ogb."""
+    if cfg.dataset == "synthetic":
+        from partition.synthetic import generate
+
+        syn = cfg.synthetic.resolved()
+        return generate(syn.num_nodes, avg_degree=syn.avg_degree, feat_dim=syn.feat_dim,
+                        num_classes=syn.num_classes, seed=cfg.seed, homophily=syn.homophily,
+                        progress=progress)
+    from partition.ogbn import load_ogb
+
+    return load_ogb(name=cfg.dataset or None, root=cfg.root,
+                    dataset_dir=cfg.dataset_dir or None,
+                    add_reverse_edges=cfg.add_reverse_edges, work_dir=cfg.work_dir or None)
+
+
+def _write_raw(data, raw_out: str, progress: bool) -> dict:
+    from partition.synthetic import write_ogb_raw
+
+    t = time.perf_counter()
+    try:
+        write_ogb_raw(data, raw_out, progress=progress)
+    except OSError as e:
+        raise CliError(describe_os_error(e, f"writing --raw-out {raw_out} failed")) from e
+    took = round(time.perf_counter() - t, 3)
+    print(f"{PROG}: wrote OGB raw layout to {raw_out} in {took:.1f} s (read it with "
+          f"--dataset-dir {raw_out})", file=sys.stderr)
+    return {"raw_out": str(Path(raw_out)), "raw_write_s": took}
+
+
+def _partition(cfg: PartitionConfig, data, progress: bool, load_s: float, t0: float) -> dict:
+    from partition.partitioner import partition_graph
+
+    meta = partition_graph(data, cfg.num_parts, cfg.out, cfg.method, seed=cfg.seed,
+                           progress=progress, overwrite=cfg.force, halo_hops=cfg.halo_hops,
+                           presample_batches=cfg.presample_batches)
+    for line in _summary_lines(meta, load_s, time.perf_counter() - t0):
+        print(line, file=sys.stderr)
+    st = meta.stats
+    return dict(
+        out=str(Path(cfg.out)), set_id=meta.set_id, num_parts=meta.num_parts,
+        method=meta.method, feat_dim=meta.feat_dim, num_classes=meta.num_classes,
+        edge_cut=meta.edge_cut, edge_cut_frac=round(st["edge_cut_frac"], 6),
+        node_balance=round(st["node_balance"], 4), edge_balance=round(st["edge_balance"], 4),
+        train_balance=round(st["train_balance"], 4), part_nodes=st["part_nodes"],
+        part_edges=st["part_edges"], part_train=st["part_train"], halo_hops=meta.halo_hops,
+        part_halo_nodes=st["part_halo_nodes"], part_halo_edges=st["part_halo_edges"],
+        partition_s=st["elapsed_s"])
+
+
 def _run(cfg: PartitionConfig) -> dict:
-    from partition.partitioner import partition_graph, peak_rss_bytes
+    from partition.partitioner import peak_rss_bytes
 
     t0 = time.perf_counter()
     progress = not cfg.no_progress
-    raw_out = cfg.synthetic.raw_out
-    if cfg.dataset == "synthetic":
-        from partition.synthetic import generate, write_ogb_raw
-
-        syn = cfg.synthetic.resolved()
-        data = generate(
-            syn.num_nodes,
-            avg_degree=syn.avg_degree,
-            feat_dim=syn.feat_dim,
-            num_classes=syn.num_classes,
-            seed=cfg.seed,
-            homophily=syn.homophily,
-            progress=progress,
-        )
-    else:
-        from partition.ogbn import load_ogb
-
-        data = load_ogb(
-            name=cfg.dataset or None,
-            root=cfg.root,
-            dataset_dir=cfg.dataset_dir or None,
-            add_reverse_edges=cfg.add_reverse_edges,
-            work_dir=cfg.work_dir or None,
-        )
+    data = _load(cfg, progress)
     load_s = time.perf_counter() - t0
-    print(
-        f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} directed "
-        f"edges in {load_s:.1f} s",
-        file=sys.stderr,
-    )
-    result: dict = {
-        "dataset": data.name,
-        "num_nodes": data.num_nodes,
-        "num_edges": data.num_edges,
-        "load_s": round(load_s, 3),
-    }
-    if raw_out:
-        t = time.perf_counter()
-        try:
-            write_ogb_raw(data, raw_out, progress=progress)
-        except OSError as e:
-            raise CliError(describe_os_error(e, f"writing --raw-out {raw_out} failed")) from e
-        result["raw_out"] = str(Path(raw_out))
-        result["raw_write_s"] = round(time.perf_counter() - t, 3)
-        print(
-            f"{PROG}: wrote OGB raw layout to {raw_out} in {result['raw_write_s']:.1f} s "
-            f"(read it with --dataset-dir {raw_out})",
-            file=sys.stderr,
-        )
+    print(f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} directed "
+          f"edges in {load_s:.1f} s", file=sys.stderr)
+    result: dict = {"dataset": data.name, "num_nodes": data.num_nodes,
+                    "num_edges": data.num_edges, "load_s": round(load_s, 3)}
+    if cfg.synthetic.raw_out:
+        result.update(_write_raw(data, cfg.synthetic.raw_out, progress))
     if cfg.out:
-        meta = partition_graph(
-            data,
-            cfg.num_parts,
-            cfg.out,
-            cfg.method,
-            seed=cfg.seed,
-            progress=progress,
-            overwrite=cfg.force,
-            halo_hops=cfg.halo_hops,
-            presample_batches=cfg.presample_batches,
-        )
-        total_s = time.perf_counter() - t0
-        for line in _summary_lines(meta, load_s, total_s):
-            print(line, file=sys.stderr)
-        st = meta.stats
-        result.update(
-            out=str(Path(cfg.out)),
-            set_id=meta.set_id,
-            num_parts=meta.num_parts,
-            method=meta.method,
-            feat_dim=meta.feat_dim,
-            num_classes=meta.num_classes,
-            edge_cut=meta.edge_cut,
-            edge_cut_frac=round(st["edge_cut_frac"], 6),
-            node_balance=round(st["node_balance"], 4),
-            edge_balance=round(st["edge_balance"], 4),
-            train_balance=round(st["train_balance"], 4),
-            part_nodes=st["part_nodes"],
-            part_edges=st["part_edges"],
-            part_train=st["part_train"],
-            halo_hops=meta.halo_hops,
-            part_halo_nodes=st["part_halo_nodes"],
-            part_halo_edges=st["part_halo_edges"],
-            partition_s=st["elapsed_s"],
-        )
+        result.update(_partition(cfg, data, progress, load_s, t0))
     result["total_s"] = round(time.perf_counter() - t0, 3)
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
