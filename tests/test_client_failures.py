@@ -161,6 +161,20 @@ def test_duplicate_reply_is_dropped(fakes):
     assert fake.replies_sent == 8
 
 
+def test_duplicate_reply_is_dropped_by_the_channel(fakes):
+    fake = fakes(Script(TWICE))
+    with channel(fake.endpoint, timeout_s=5.0) as ch:
+        first = ch.send(request(1))
+        reply, rid = ch.recv()
+        assert rid == first
+        check_echo(reply, 1)
+        fake.wait_sent(2)  # the duplicate is on its way: the next recv must skip it
+        second = ch.send(request(2))
+        reply, rid = ch.recv()
+        assert rid == second, "the duplicate of an answered request was delivered"
+        check_echo(reply, 2)
+
+
 # --------------------------------------------------------------------------- never
 
 
