@@ -39,7 +39,7 @@ SERVER = ServerConfig(
     sampler_procs=3, max_queue=7, max_message_mb=99, max_peer_backlog_mb=33,
     peer_timeout_s=12.5, seed=-4, heartbeat_s=0.25, heartbeat_timeout_s=2.5, ready_file="/r",
     shutdown_token_file="/t", curve_secret_key="/k", curve_authorized_keys="/a",
-    replica_suspect_s=12.0)
+    replica_suspect_s=12.0, max_node_tensor_mb=77)
 TRAINER = TrainerConfig(
     cluster="/c.yaml", fanouts=[-1, 5, 3], eval_fanouts=[4, 4, 4], batch_size=7,
     eval_batch_size=9, epochs=2, hidden=8, dropout=0.25, lr=0.0125, weight_decay=1e-6,
