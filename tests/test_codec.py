@@ -50,6 +50,13 @@ from common.messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
+    TensorCreate,
+    TensorDrop,
+    TensorInfo,
+    TensorRead,
+    TensorRows,
+    TensorUpdate,
+    TensorWrite,
     WorkerReady,
     WorkerStop,
 )
@@ -140,6 +147,17 @@ def examples() -> dict[MsgType, Message]:
             reply=[torch.arange(40, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]),
         MsgType.WORKER_READY: WorkerReady(index=1, pid=4242),
         MsgType.WORKER_STOP: WorkerStop(),
+        MsgType.TENSOR_CREATE: TensorCreate(name="emb.v1", dtype="bfloat16", row_shape=[4, 2],
+                                            init="normal", init_scale=0.1, seed=7,
+                                            optimizer="adam", lr=0.5, beta1=0.8, eps=1e-6),
+        MsgType.TENSOR_INFO: TensorInfo(name="emb", first_id=1500, num_rows=1500, created=True),
+        MsgType.TENSOR_WRITE: TensorWrite(name="emb", ids=torch.tensor([7, 3]),
+                                          rows=torch.randn(2, 4)),
+        MsgType.TENSOR_READ: TensorRead(name="emb", ids=torch.tensor([3, 3, 9])),
+        MsgType.TENSOR_ROWS: TensorRows(rows=torch.arange(6, dtype=torch.int32).reshape(3, 2)),
+        MsgType.TENSOR_UPDATE: TensorUpdate(name="emb", ids=torch.tensor([3, 3]),
+                                            grads=torch.randn(2, 4, dtype=torch.float64)),
+        MsgType.TENSOR_DROP: TensorDrop(name="emb"),
     }
 
 
