@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
+import threading  # noqa: E402
+
 from common.cluster import ClusterSpec  # noqa: E402
-from common.errors import RemoteError  # noqa: E402
+from common.errors import ProtocolError, RemoteError  # noqa: E402
 from common.messages import (  # noqa: E402
     Ping,
     Pong,
@@ -34,11 +36,55 @@ from common.messages import (  # noqa: E402
     TensorUpdate,
     TensorWrite,
 )
+from sampler_server.node_tensors import NodeTensorStore  # noqa: E402
 from trainer_client.node_tensors import DistNodeTensor  # noqa: E402
 from trainer_client.server_pool import ServerPool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 WIDTH = 8  # row width of the writers' tensor
+
+
+@pytest.mark.parametrize("change", [
+    {"dtype": "complex64"}, {"row_shape": [1, 1, 1, 1]}, {"row_shape": [0]}, {"init": "ones"},
+    {"optimizer": "rmsprop"}, {"dtype": "int64", "optimizer": "sgd"},
+    {"dtype": "int32", "init": "normal"}, {"lr": 0.0}, {"beta1": 1.0}, {"eps": 0.0},
+    {"name": "a b"}, {"name": ""}, {"init_scale": -1.0}])
+def test_bad_spec_is_refused_before_any_server(change):
+    spec = {"name": "t", "dtype": "float32", "row_shape": [2], **change}
+    with pytest.raises(ProtocolError) as info:
+        TensorCreate(**spec).check()
+    assert info.value.code == "bad_field"
+
+
+def test_store_reads_see_whole_writes_from_threads():
+    """Two writer threads each write all rows of the part per request; a reader thread only
+    ever sees every row from one request (requests are applied under the tensor's lock;
+    without it, torch's copy runs outside the GIL and reads catch writes half done)."""
+    n, width = 4000, 256
+    store = NodeTensorStore(0, 0, n, 64 << 20)
+    store.handle_create(TensorCreate(name="t", dtype="float32", row_shape=[width]))
+    ids, seen, done = torch.arange(n), [], threading.Event()
+    full = {k: torch.full((n, width), float(k)) for k in (1, 2)}
+
+    def write(k: int) -> None:
+        for _ in range(60):
+            store.handle_write(TensorWrite(name="t", ids=ids, rows=full[k]))
+
+    def read() -> None:
+        while not done.is_set():
+            rows = store.handle_read(TensorRead(name="t", ids=ids)).rows
+            seen.append(bool(rows.amin() == rows.amax()))
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in (1, 2)]
+    reader = threading.Thread(target=read)
+    for t in [*threads, reader]:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    done.set()
+    reader.join(timeout=60)
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} reads mixed two writes"
+    assert store.nbytes == n * width * 4
 
 
 def _pool(cluster: ClusterSpec) -> ServerPool:
