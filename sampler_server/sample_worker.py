@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import zmq
 
 from common import codec
 from common.cluster import ClusterSpec
@@ -29,6 +29,9 @@ from partition.layout import HOT_RANK_FILE, cached_mask
 from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, new_scratch, sample_mfg
 from sampler_server.partition_store import PartitionStore
 from sampler_server.peer_client import WirePeers
+
+if TYPE_CHECKING:  # the runtime owns the context; this module only passes it on
+    import zmq
 
 log = logging.getLogger("mfgserve.server")
 
