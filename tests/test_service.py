@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 
 import pytest
 import torch
 import zmq
 
-from common import codec
 from common.errors import BadRequestError, ProtocolError, RemoteError
-from common.executors import InlineExecutor, ThreadExecutor
+from common.executors import InlineExecutor, ProcessExecutor, ThreadExecutor
 from common.messages import (
     Ack,
     NeighborsRequest,
@@ -29,23 +29,9 @@ from common.messages import (
 from common.rpc import RpcChannel
 from common.service import Service, Transport
 from common.stats import RequestTimings, SampleCounts, ServerCounters, ServerStats, Tally
+from tests.buggy_worker import BuggyWorker
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class BuggyWorker:
-    """A sampler worker whose sampling has a bug (it divides by zero) for odd seeds."""
-
-    def serve(self, msg, rid, t_in):
-        if int(msg.seeds[0]) % 2:
-            return [0][1], SampleCounts()  # IndexError: a bug
-        return codec.encode(Ack(), rid), SampleCounts(sample_requests=1)
-
-    def idle(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _handlers(service: Service) -> None:
@@ -75,18 +61,28 @@ def _handlers(service: Service) -> None:
         service.handle(cls, fn)
 
 
-@pytest.fixture(params=["inline", "threads"])
+def _executor(kind: str):
+    if kind == "inline":
+        return InlineExecutor(lambda ctx: BuggyWorker())
+    if kind == "threads":
+        return ThreadExecutor(lambda ctx: BuggyWorker(), 2, 8, join_s=5)
+    return ProcessExecutor(lambda backend, i: [sys.executable, "-m", "tests.buggy_worker",
+                                               backend, str(i)], 2, 8, stop_s=5)
+
+
+@pytest.fixture(params=["inline", "threads", "processes"])
 def service(request, tmp_path):
     svc = Service(Transport(f"ipc://{tmp_path}/svc.sock", 1 << 20, 1 << 20), where="test")
     _handlers(svc)
-    svc.use(InlineExecutor(lambda ctx: BuggyWorker()) if request.param == "inline"
-            else ThreadExecutor(lambda ctx: BuggyWorker(), 2, 8, join_s=5))
+    svc.use(_executor(request.param))
     thread = threading.Thread(target=svc.serve_forever, daemon=True)
     thread.start()
     yield svc
     svc.stop()
     thread.join(timeout=10)
     assert not thread.is_alive()
+    for proc in getattr(svc.executor, "procs", []):  # told to stop: each exits with 0
+        assert proc.returncode == 0
 
 
 def _code(ch: RpcChannel, msg) -> str:
@@ -101,7 +97,7 @@ def test_a_bug_is_internal_and_the_service_keeps_serving(service, caplog):
     try:
         with caplog.at_level(logging.ERROR, logger="mfgserve.server"):
             assert _code(ch, Ping()) == "internal"
-        assert "KeyError" in caplog.text and "Traceback" in caplog.text
+        assert "KeyError" in caplog.text and "Traceback" in caplog.text  # logged as a bug
         assert _code(ch, NeighborsRequest(nodes=torch.tensor([7]), fanout=2)) == "bad_request"
         assert _code(ch, SeedsRequest(split="train")) == "forbidden"
         assert _code(ch, StatsReply(values={})) == "unexpected_type"  # no handler
