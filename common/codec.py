@@ -7,7 +7,7 @@ Frame layout of every message::
                                  "d": [[tensor path, dtype, shape], ...]}
     frame 1..n   raw bytes of tensor i (C order), one frame per descriptor in "d"
 
-A field may be a nested struct (a :class:`~common.struct.Struct` dataclass), an optional one
+A field may be a nested struct (a :class:`~common.structs.Struct` dataclass), an optional one
 (``X | None``, left out of the header when None) or a list of them. A struct's scalar fields
 nest in the header (``"s": {"mfg": {"layers": [{"num_src": [5]}, ...]}}``); its tensors are
 frames whose descriptor names the path to them: field names and list positions joined by dots
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from common.errors import ProtocolError
 from common.messages import MESSAGE_CLASSES, PROTOCOL_VERSION, Message, MsgType
-from common.struct import Struct
+from common.structs import Struct
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID = 2**63 - 1

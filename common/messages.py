@@ -18,10 +18,10 @@ from torch import Tensor
 from common.limits import MAX_FANOUT, MAX_LAYERS
 from common.sampled_mfg import SampledMFG
 from common.shm_ring import SlotRef
-from common.struct import MAX_ID, Struct  # noqa: F401 (MAX_ID is re-exported)
-from common.struct import check_ids as _check_ids
-from common.struct import check_unique as _check_unique
-from common.struct import need as _need
+from common.structs import MAX_ID, Struct  # noqa: F401 (MAX_ID is re-exported)
+from common.structs import check_ids as _check_ids
+from common.structs import check_unique as _check_unique
+from common.structs import need as _need
 
 # 2: partition-set ids (set_id), Shutdown token; 3: nested structs: the MFG reply carries a
 # SampledMFG, SAMPLE's ring slot is one SlotRef

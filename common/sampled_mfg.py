@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from common.limits import MAX_LAYERS
-from common.struct import Struct, check_ids, need
+from common.structs import Struct, check_ids, need
 
 FEAT_NONE, FEAT_FRAMES, FEAT_RING = "none", "frames", "ring"
 FEAT_VIA = (FEAT_NONE, FEAT_FRAMES, FEAT_RING)

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from common.errors import MfgServeError
-from common.struct import Struct, need
+from common.structs import Struct, need
 
 log = logging.getLogger("mfgserve.shm")
 

@@ -62,7 +62,7 @@ from common.messages import (
 )
 from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
 from common.shm_ring import SlotRef
-from common.struct import Struct
+from common.structs import Struct
 
 # ---------------------------------------------------------------- examples and helpers
 

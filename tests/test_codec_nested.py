@@ -13,7 +13,7 @@ import pytest
 
 from common import codec
 from common.messages import Message, MsgType
-from common.struct import Struct
+from common.structs import Struct
 from tests.test_codec import (
     assert_same_message,
     chain_mfg,
