@@ -115,7 +115,7 @@ def _schema(cls: type[Struct], depth: int = 0) -> _Schema:
         raise TypeError(f"{cls.__name__} nests structs deeper than {MAX_DEPTH}")
     hints = typing.get_type_hints(cls)
     out = []
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # every Struct is a dataclass
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         kind, sub = _kind_of(hints[f.name], depth)
         out.append(_Field(f.name, kind, required, sub))

@@ -73,10 +73,11 @@ log = logging.getLogger("mfgserve.server")
 class PartitionHandlers:
     """What a server answers, over its partition store; registered on a :class:`Service`."""
 
-    def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank, service: Service):
+    def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank, service: Service,
+                 shutdown_token: str):
         self.cfg, self.store, self.hot_rank, self.service = cfg, store, hot_rank, service
         self.server_id = uuid.uuid4().hex[:8]
-        self.shutdown_token = read_token(cfg.shutdown_token_file)
+        self.shutdown_token = shutdown_token
 
     def register(self) -> None:
         s = self.service
@@ -191,12 +192,13 @@ class SamplerServer:
         self.store = PartitionStore(cfg.parts, cfg.part_id, seed=cfg.seed)
         hot_rank = load_hot_rank(cfg.parts)
         cluster = load_cluster(cfg, self.store.meta.num_parts)
+        token = read_token(cfg.shutdown_token_file)  # every input checked before binding
         self.service = Service(Transport(
             cfg.bind, cfg.max_message_mb << 20, cfg.max_peer_backlog_mb << 20, cfg.heartbeat_s,
             cfg.heartbeat_timeout_s, cfg.curve_secret_key, cfg.curve_authorized_keys),
             where=f"part {cfg.part_id}")
         self.endpoint = self.service.endpoint
-        PartitionHandlers(cfg, self.store, hot_rank, self.service).register()
+        PartitionHandlers(cfg, self.store, hot_rank, self.service, token).register()
         NodeTensorStore(cfg.part_id, self.store.start, self.store.end,
                         cfg.max_node_tensor_mb << 20).register(self.service)
         self.service.use(make_executor(cfg, self.store, hot_rank, cluster))

@@ -76,6 +76,8 @@ def test_non_reading_client_is_bounded_and_freed(server_factory, wide_parts):
         while _stats(ctx, server.endpoint)["backlog_bytes"] > 0:
             assert time.monotonic() < deadline, "replies of a gone client were not freed"
             time.sleep(0.2)
-        assert proc.memory_info().rss < peak or peak - rss0 < (32 << 20)
+        # freed: nothing is held for it (checked above); the allocator may keep some pages,
+        # but the server stays within the stated bound
+        assert proc.memory_info().rss - rss0 < bound
     finally:
         ctx.term()

@@ -163,7 +163,7 @@ class DistNodeDataLoader:
         ring = self.ring
         f = reply.mfg.only.feat
         if slot is not None and handle.attempts > 1:
-            # Re-sent without the slot (ServerPool._failover); the first server may still
+            # Re-sent without the slot (ServerPool.for_resend); the first server may still
             # write into it, so it is never reused.
             ring.poison(slot)  # type: ignore[union-attr]
             slot = None
