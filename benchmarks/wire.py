@@ -76,7 +76,7 @@ def measure(endpoint: str, mode: str, mb: float, count: int) -> dict:
         sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(endpoint)
         msg = _message(int(mb * (1 << 20)))
-        raw = memoryview(msg.feat.numpy()).cast("B")
+        raw = memoryview(msg.mfg.only.feat.rows.numpy()).cast("B")
         for _ in range(count):
             if mode == "codec":
                 sock.send_multipart(codec.encode(msg, 1), copy=False)
