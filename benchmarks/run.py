@@ -29,33 +29,23 @@ Exit code: 0 when every measurement ran, 1 when some failed (their errors are in
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import os
-import platform
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
 from pathlib import Path
 
-import numpy as np
-import psutil
-import torch
-
+from benchmarks.graphs import set_dir, synthetic_data, write_one_part
+from benchmarks.report import REPO, command_line, emit_summary, logger, machine_info, ratio
 from partition.layout import PartitionFormatError, PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "wire")
-REPO = Path(__file__).resolve().parents[1]
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("bench")
 
 
 def _int_list(text: str) -> list[int]:
@@ -134,44 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ inputs
 
 
-def synthetic_data(n: int, args: argparse.Namespace):
-    """A synthetic graph of ``n`` nodes shaped by ``args`` (avg_degree, feat_dim,
-    num_classes, seed) with random train / valid / test splits (train_frac, eval_frac)."""
-    from partition.synthetic import generate
-
-    if not (0 < args.train_frac and 0 <= args.eval_frac
-            and args.train_frac + 2 * args.eval_frac <= 1):
-        raise ValueError("need 0 < --train-frac and train-frac + 2 * eval-frac <= 1")
-    data = generate(n, avg_degree=args.avg_degree, feat_dim=args.feat_dim,
-                    num_classes=args.num_classes, seed=args.seed, progress=True)
-    perm = np.random.default_rng(args.seed + 1).permutation(n)
-    n_train, n_eval = max(1, round(args.train_frac * n)), round(args.eval_frac * n)
-    data.train = np.sort(perm[:n_train]).astype(np.int64)
-    data.valid = np.sort(perm[n_train:n_train + n_eval]).astype(np.int64)
-    data.test = np.sort(perm[n_train + n_eval:n_train + 2 * n_eval]).astype(np.int64)
-    return data
-
-
-def write_one_part(data, out: Path, seed: int) -> None:
-    """Write ``data`` as a 1-part partition set at ``out``, moved into place when complete."""
-    from partition.partitioner import partition_graph
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        partition_graph(data, 1, tmp / "set", seed=seed, progress=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp / "set", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def synthetic_parts(args: argparse.Namespace) -> Path:
     """A cached 1-part partition set of the synthetic graph described by ``args``."""
-    tag = (f"synthetic-{args.synthetic_nodes}n-d{args.avg_degree:g}-f{args.feat_dim}"
-           f"-c{args.num_classes}-tr{args.train_frac:g}-ev{args.eval_frac:g}-s{args.seed}-1part")
-    out = Path(args.cache_dir) / tag
+    out = set_dir(args, args.synthetic_nodes)
     try:
         if PartitionSetMeta.load(out).num_parts == 1:
             log(f"using cached synthetic graph {out}")
@@ -185,41 +140,6 @@ def synthetic_parts(args: argparse.Namespace) -> Path:
     write_one_part(synthetic_data(n, args), out, args.seed)
     log(f"wrote {out} in {time.perf_counter() - t0:.1f}s")
     return out
-
-
-def machine_info() -> dict:
-    from common.dgl_compat import import_dgl
-
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                capture_output=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, text=True,
-                                    capture_output=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", False
-    return {
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu": cpu_model,
-        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "dgl": import_dgl().__version__,
-        "numpy": np.__version__,
-        "os": platform.platform(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": commit + ("-dirty" if dirty else ""),
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-    }
 
 
 # ------------------------------------------------------------------------------ steps
@@ -277,24 +197,70 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
     return res
 
 
-def command_line(module: str, argv: list[str] | None) -> str:
-    return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+class Steps:
+    """The measurements of one run: each one's result, or its error (one failed measurement
+    must not lose the others)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+
+    def run(self, name: str, fn) -> None:
+        log(f"{name}: start")
+        t0 = time.perf_counter()
+        load0 = os.getloadavg()[0]
+        try:
+            self.results[name] = fn()
+            # Other processes on the machine distort every figure: keep the evidence.
+            self.results[name]["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+            log(f"{name}: done in {time.perf_counter() - t0:.1f}s: "
+                f"{json.dumps(self.results[name])}")
+        except Exception as e:  # one failed measurement must not lose the others
+            self.errors[name] = f"{type(e).__name__}: {e}"
+            log(f"{name}: FAILED after {time.perf_counter() - t0:.1f}s\n{traceback.format_exc()}")
 
 
-def emit_summary(summary: dict, out: str | None, table) -> None:
-    """The readable table on stderr, then the JSON summary as the last stdout line (and in
-    ``out`` if given)."""
-    table(summary)
-    line = json.dumps(summary)
-    if out:
-        Path(out).write_text(line + "\n")
-    print(line, flush=True)
+def measure_dgl(steps: Steps, parts: Path, args: argparse.Namespace, sample_batches: int) -> None:
+    """The DGL steps: training, then sample + gather, for each ``--dgl-workers`` value. The
+    full graph is freed when this returns."""
+    from benchmarks import dgl_pipeline
+
+    log(f"loading the full graph for DGL from {parts}")
+    fg = dgl_pipeline.load_full_graph(parts)
+    log(f"loaded in {fg.load_s:.1f}s")
+    if "dgl-train" not in args.skip:
+        for w in args.dgl_workers:
+            steps.run(f"dgl_train_w{w}", lambda w=w: dgl_pipeline.train_dgl(
+                fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
+                num_workers=w, max_batches=args.max_batches, seed=args.seed))
+    if "dgl-sample" not in args.skip:
+        for w in args.dgl_workers:
+            steps.run(f"dgl_sample_w{w}", lambda w=w: dgl_pipeline.sample_only_dgl(
+                fg, args.fanouts, args.batch_size, sample_batches, num_workers=w,
+                seed=args.seed))
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    if not num or not den:
-        return None
-    return round(num / den, 3)
+def measure_mfgserve(steps: Steps, parts: Path, args: argparse.Namespace,
+                     sample_batches: int) -> None:
+    """The mfgserve steps not skipped: server alone (per ``--sampler-procs``), worker mode,
+    wire."""
+    if "server" not in args.skip:
+        from benchmarks.server_only import measure_server
+
+        for n in args.sampler_procs:
+            steps.run("server_only" + (f"_procs{n}" if n else ""), lambda n=n: measure_server(
+                parts, args.fanouts, args.batch_size, sample_batches, inflight=args.inflight,
+                server_workers=args.server_workers, seed=args.seed, shm_ring=args.shm_ring,
+                sampler_procs=n))
+    if "worker" not in args.skip:
+        steps.run("worker_mode", lambda: run_worker_mode(parts, args))
+    if "wire" not in args.skip:
+        from benchmarks.wire import measure_wire
+
+        steps.run("wire", lambda: measure_wire())
+
+
+# ------------------------------------------------------------------------------ summary
 
 
 def _best(results: dict, prefix: str, key: str) -> tuple[str | None, float | None]:
@@ -307,19 +273,19 @@ def compute_ratios(results: dict) -> dict:
     ratios: dict = {}
     dgl_train_key, dgl_train = _best(results, "dgl_train", "seeds_per_s")
     wm = results.get("worker_mode", {}).get("seeds_per_s")
-    ratios["train_seeds_per_s"] = _ratio(wm, dgl_train)
+    ratios["train_seeds_per_s"] = ratio(wm, dgl_train)
     ratios["train_baseline"] = dgl_train_key
     for k, v in results.items():
         if k.startswith("dgl_train") and v.get("seeds_per_s"):
-            ratios[f"train_seeds_per_s_vs_{k}"] = _ratio(wm, v["seeds_per_s"])
+            ratios[f"train_seeds_per_s_vs_{k}"] = ratio(wm, v["seeds_per_s"])
     dgl_sample_key, dgl_sample = _best(results, "dgl_sample", "batches_per_s")
     srv_key, srv = _best(results, "server_only", "batches_per_s")
-    ratios["sample_batches_per_s"] = _ratio(srv, dgl_sample)
+    ratios["sample_batches_per_s"] = ratio(srv, dgl_sample)
     ratios["sample_baseline"] = dgl_sample_key
     ratios["sample_mfgserve_config"] = srv_key
     for k, v in results.items():
         if k.startswith("dgl_sample") and v.get("batches_per_s"):
-            ratios[f"sample_batches_per_s_vs_{k}"] = _ratio(srv, v["batches_per_s"])
+            ratios[f"sample_batches_per_s_vs_{k}"] = ratio(srv, v["batches_per_s"])
     dgl_acc = results.get(dgl_train_key, {}).get("test_acc") if dgl_train_key else None
     wm_acc = results.get("worker_mode", {}).get("test_acc")
     if dgl_acc is not None and wm_acc is not None:
@@ -369,6 +335,26 @@ def print_table(summary: dict) -> None:
           file=sys.stderr, flush=True)
 
 
+def graph_info(parts: Path, meta: PartitionSetMeta) -> dict:
+    return {"parts_dir": str(parts), "dataset": meta.dataset, "num_parts": meta.num_parts,
+            "num_nodes": meta.num_nodes, "num_edges": meta.num_edges,
+            "feat_dim": meta.feat_dim, "num_classes": meta.num_classes,
+            "num_train": sum(p.num_train for p in meta.parts),
+            "num_valid": sum(p.num_valid for p in meta.parts),
+            "num_test": sum(p.num_test for p in meta.parts)}
+
+
+def run_config(args: argparse.Namespace, sample_batches: int) -> dict:
+    return {"fanouts": args.fanouts, "batch_size": args.batch_size, "hidden": args.hidden,
+            "epochs": args.epochs, "max_batches": args.max_batches,
+            "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
+            "num_trainers": args.num_trainers, "server_workers": args.server_workers,
+            "inflight": args.inflight, "seed": args.seed, "skip": args.skip,
+            "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer,
+            "sampler_procs": args.sampler_procs,
+            "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*CPU affinity.*")
@@ -376,77 +362,22 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     parts = Path(args.parts) if args.parts else synthetic_parts(args)
     meta = PartitionSetMeta.load(parts)
-    graph = {"parts_dir": str(parts), "dataset": meta.dataset, "num_parts": meta.num_parts,
-             "num_nodes": meta.num_nodes, "num_edges": meta.num_edges,
-             "feat_dim": meta.feat_dim, "num_classes": meta.num_classes,
-             "num_train": sum(p.num_train for p in meta.parts),
-             "num_valid": sum(p.num_valid for p in meta.parts),
-             "num_test": sum(p.num_test for p in meta.parts)}
+    graph = graph_info(parts, meta)
     sample_batches = args.max_batches or 30
-    config = {"fanouts": args.fanouts, "batch_size": args.batch_size, "hidden": args.hidden,
-              "epochs": args.epochs, "max_batches": args.max_batches,
-              "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
-              "num_trainers": args.num_trainers, "server_workers": args.server_workers,
-              "inflight": args.inflight, "seed": args.seed, "skip": args.skip,
-              "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer,
-              "sampler_procs": args.sampler_procs,
-              "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring}
-    results: dict[str, dict] = {}
-    errors: dict[str, str] = {}
-
-    def step(name: str, fn) -> None:
-        log(f"{name}: start")
-        t0 = time.perf_counter()
-        load0 = os.getloadavg()[0]
-        try:
-            results[name] = fn()
-            # Other processes on the machine distort every figure: keep the evidence.
-            results[name]["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-            log(f"{name}: done in {time.perf_counter() - t0:.1f}s: {json.dumps(results[name])}")
-        except Exception as e:  # one failed measurement must not lose the others
-            errors[name] = f"{type(e).__name__}: {e}"
-            log(f"{name}: FAILED after {time.perf_counter() - t0:.1f}s\n{traceback.format_exc()}")
-
+    config = run_config(args, sample_batches)
+    steps = Steps()
     if "dgl-train" not in args.skip or "dgl-sample" not in args.skip:
-        from benchmarks import dgl_pipeline
-
-        log(f"loading the full graph for DGL from {parts}")
-        fg = dgl_pipeline.load_full_graph(parts)
-        log(f"loaded in {fg.load_s:.1f}s")
-        if "dgl-train" not in args.skip:
-            for w in args.dgl_workers:
-                step(f"dgl_train_w{w}", lambda w=w: dgl_pipeline.train_dgl(
-                    fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
-                    num_workers=w, max_batches=args.max_batches, seed=args.seed))
-        if "dgl-sample" not in args.skip:
-            for w in args.dgl_workers:
-                step(f"dgl_sample_w{w}", lambda w=w: dgl_pipeline.sample_only_dgl(
-                    fg, args.fanouts, args.batch_size, sample_batches, num_workers=w,
-                    seed=args.seed))
-        del fg
+        measure_dgl(steps, parts, args, sample_batches)
         gc.collect()
-    if "server" not in args.skip:
-        from benchmarks.server_only import measure_server
-
-        for n in args.sampler_procs:
-            step("server_only" + (f"_procs{n}" if n else ""), lambda n=n: measure_server(
-                parts, args.fanouts, args.batch_size, sample_batches, inflight=args.inflight,
-                server_workers=args.server_workers, seed=args.seed, shm_ring=args.shm_ring,
-                sampler_procs=n))
-    if "worker" not in args.skip:
-        step("worker_mode", lambda: run_worker_mode(parts, args))
-    if "wire" not in args.skip:
-        from benchmarks.wire import measure_wire
-
-        step("wire", lambda: measure_wire())
+    measure_mfgserve(steps, parts, args, sample_batches)
 
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    summary = {"machine": machine, "graph": graph, "config": config, "results": results,
-               "ratios": compute_ratios(results), "errors": errors,
+    summary = {"machine": machine, "graph": graph, "config": config, "results": steps.results,
+               "ratios": compute_ratios(steps.results), "errors": steps.errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
                "command": command_line("benchmarks.run", argv)}
     emit_summary(summary, args.out, print_table)
-    return 1 if errors else 0
+    return 1 if steps.errors else 0
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ scales: ``--base-nodes`` (default 2,449,029, products' node count) times each of
 undirected edges), 100-dim float32 features, 47 classes, ~8 % training seeds (products:
 196,615 of 2,449,029) and small valid / test splits (0.5 % each).
 
-For each scale, each step in its own subprocess (so every peak RSS belongs to that step
-alone, and the big arrays are freed when it exits):
+For each scale, each step in its own subprocess (:mod:`benchmarks.scale_steps`; so every peak
+RSS belongs to that step alone, and the big arrays are freed when it exits):
 
 * ``generate``: generate the graph and write a 1-part partition set
   (:func:`partition.partitioner.partition_graph`), cached under ``--cache-dir`` like
@@ -49,38 +49,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-import warnings
 from pathlib import Path
 
-import psutil
+from benchmarks.graphs import graph_bytes
+from benchmarks.report import REPO, command_line, emit_summary, logger, machine_info, ratio
+from benchmarks.run import _int_list
+from benchmarks.scale_steps import run_step_here
+from partition.layout import PartitionSetMeta
 
-from benchmarks.run import (
-    _int_list,
-    _ratio,
-    command_line,
-    emit_summary,
-    synthetic_data,
-    write_one_part,
-)
-from partition.layout import PartitionFormatError, PartitionSetMeta
-
-REPO = Path(__file__).resolve().parents[1]
 PRODUCTS_NODES = 2_449_029
 PRODUCTS_EDGES = 61_859_140  # undirected
 PRODUCTS_TRAIN = 196_615
 PRODUCTS_AVG_DEGREE = 2 * PRODUCTS_EDGES / PRODUCTS_NODES  # directed edges per node
 STEPS = ("generate", "server", "dgl")
-
-
-def log(msg: str) -> None:
-    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("scale")
 
 
 def _scale_list(text: str) -> list[float]:
@@ -144,171 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "print its JSON (the parent runs every step this way)")
     p.add_argument("--nodes", type=int, help="internal: node count of the --step graph")
     return p
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def set_dir(args: argparse.Namespace, n: int) -> Path:
-    """The cached partition set of the ``n``-node graph (same naming as benchmarks.run)."""
-    tag = (f"synthetic-{n}n-d{args.avg_degree:g}-f{args.feat_dim}-c{args.num_classes}"
-           f"-tr{args.train_frac:g}-ev{args.eval_frac:g}-s{args.seed}-1part")
-    return Path(args.cache_dir) / tag
-
-
-def _prep_file(parts: Path) -> Path:
-    return parts.parent / (parts.name + ".prep.json")
-
-
-def self_peak_rss() -> int:
-    """Peak RSS of this process in bytes (Linux reports KiB, macOS bytes)."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(kb) * (1 if sys.platform == "darwin" else 1024)
-
-
-def children_peak_rss() -> int:
-    """Largest peak RSS among this process's waited-for children, in bytes."""
-    kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return int(kb) * (1 if sys.platform == "darwin" else 1024)
-
-
-def graph_bytes(parts: Path) -> dict:
-    """Bytes of the partition set's ``.npy`` files: the parts' own, and all of them."""
-    part = sum(f.stat().st_size for f in parts.glob("part-*/*.npy"))
-    total = sum(f.stat().st_size for f in parts.rglob("*.npy"))
-    return {"graph_bytes": part, "set_bytes": total}
-
-
-class ChildRssPoller:
-    """Polls the RSS of this process's descendants (the server) in a background thread."""
-
-    def __init__(self, interval_s: float = 0.2):
-        self.interval_s = interval_s
-        self.peak = {"rss": 0, "anon": 0, "file": 0, "processes": 0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-poller")
-
-    def _run(self) -> None:
-        me = psutil.Process()
-        while not self._stop.wait(self.interval_s):
-            try:
-                kids = me.children(recursive=True)
-            except psutil.Error:
-                continue
-            rss = anon = file = 0
-            self.peak["processes"] = max(self.peak["processes"], len(kids))
-            for k in kids:
-                try:
-                    mi = k.memory_info()
-                except psutil.Error:
-                    continue
-                shared = getattr(mi, "shared", 0)  # Linux: file-backed + shmem pages
-                rss, anon, file = rss + mi.rss, anon + mi.rss - shared, file + shared
-            for key, v in (("rss", rss), ("anon", anon), ("file", file)):
-                self.peak[key] = max(self.peak[key], v)
-
-    def __enter__(self) -> ChildRssPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-# ------------------------------------------------------------------------------ steps (child)
-
-
-def step_generate(args: argparse.Namespace, n: int) -> dict:
-    """Generate + partition the ``n``-node graph unless cached; timings and peak RSS."""
-    out = set_dir(args, n)
-    try:
-        if PartitionSetMeta.load(out).num_parts == 1:
-            log(f"using cached graph {out}")
-            try:
-                prep = json.loads(_prep_file(out).read_text())
-            except (OSError, ValueError):
-                prep = {}
-            return {"parts_dir": str(out), "cached": True,
-                    "generate_s": prep.get("generate_s"),
-                    "partition_s": prep.get("partition_s"),
-                    "prep_peak_rss_bytes": prep.get("prep_peak_rss_bytes")}
-    except PartitionFormatError:
-        pass
-    log(f"generating {n:,} nodes, avg degree {args.avg_degree:.4g} "
-        f"(~{round(n * args.avg_degree / 2):,} undirected edges), {args.feat_dim}-dim "
-        f"features, {args.num_classes} classes")
-    t0 = time.perf_counter()
-    data = synthetic_data(n, args)
-    generate_s = time.perf_counter() - t0
-    log(f"generated in {generate_s:.1f}s; partitioning (1 part)")
-    t1 = time.perf_counter()
-    write_one_part(data, out, args.seed)
-    partition_s = time.perf_counter() - t1
-    del data
-    res = {"parts_dir": str(out), "cached": False, "generate_s": round(generate_s, 2),
-           "partition_s": round(partition_s, 2), "prep_peak_rss_bytes": self_peak_rss()}
-    _prep_file(out).write_text(json.dumps(res) + "\n")
-    log(f"wrote {out}: generate {generate_s:.1f}s, partition {partition_s:.1f}s, peak RSS "
-        f"{res['prep_peak_rss_bytes'] / 2**30:.2f} GiB")
-    return res
-
-
-def step_server(args: argparse.Namespace, parts: Path) -> dict:
-    """One mfgserve server alone; its peak RSS from RUSAGE_CHILDREN and a poller."""
-    from benchmarks.server_only import measure_server
-
-    before = children_peak_rss()  # 0 in a fresh step process
-    with ChildRssPoller() as poll:
-        res = measure_server(parts, args.fanouts, args.batch_size, args.batches,
-                             inflight=args.inflight, server_workers=args.server_workers,
-                             seed=args.seed, startup_timeout_s=600.0, request_timeout_s=600.0)
-    peak = children_peak_rss()
-    if "peak_rss_bytes" in res:  # measure_server measured the server's memory itself: use it
-        res["peak_rss_source"] = "benchmarks.server_only.measure_server"
-    else:
-        res["peak_rss_bytes"] = peak
-        res["peak_rss_source"] = ("getrusage(RUSAGE_CHILDREN)" if peak > before
-                                  else "getrusage(RUSAGE_CHILDREN), includes an earlier child")
-    res["rusage_children_peak_rss_bytes"] = peak
-    res["sampled_peak_rss_bytes"] = poll.peak["rss"]
-    res["sampled_peak_rss_anon_bytes"] = poll.peak["anon"]
-    res["sampled_peak_rss_file_bytes"] = poll.peak["file"]
-    res["sampled_server_processes"] = poll.peak["processes"]
-    res["batch_ms"] = round(1000.0 / res["batches_per_s"], 2) if res.get("batches_per_s") \
-        else None
-    return res
-
-
-def step_dgl(args: argparse.Namespace, parts: Path) -> dict:
-    """DGL DataLoader sample + gather (num_workers 0) on the whole graph; this process's peak."""
-    from benchmarks import dgl_pipeline
-
-    fg = dgl_pipeline.load_full_graph(parts)
-    log(f"DGL graph loaded in {fg.load_s:.1f}s")
-    res = dgl_pipeline.sample_only_dgl(fg, args.fanouts, args.batch_size, args.batches,
-                                       num_workers=0, seed=args.seed)
-    res["load_s"] = round(fg.load_s, 2)
-    res["peak_rss_bytes"] = self_peak_rss()
-    res["peak_rss_source"] = "getrusage(RUSAGE_SELF) of the measuring process (load + sample)"
-    res["batch_ms"] = round(1000.0 / res["batches_per_s"], 2) if res.get("batches_per_s") \
-        else None
-    return res
-
-
-def run_step_here(args: argparse.Namespace) -> int:
-    """``--step``: one step in this process; the JSON result is the last stdout line."""
-    if args.nodes is None or args.nodes < 2:
-        raise SystemExit("--step needs --nodes N (N >= 2)")
-    warnings.filterwarnings("ignore", message=".*CPU affinity.*")
-    if args.step == "generate":
-        res = step_generate(args, args.nodes)
-    else:
-        parts = set_dir(args, args.nodes)
-        PartitionSetMeta.load(parts)  # a clear error when the set is missing
-        res = step_server(args, parts) if args.step == "server" else step_dgl(args, parts)
-    print(json.dumps(res), flush=True)
-    return 0
 
 
 # ------------------------------------------------------------------------------ parent
@@ -389,12 +212,12 @@ def compute_ratios(scales: list[dict]) -> dict:
         return r
     lo, hi = min(ok, key=lambda s: s["scale"]), max(ok, key=lambda s: s["scale"])
     r["from_scale"], r["to_scale"] = lo["scale"], hi["scale"]
-    r["node_growth"] = _ratio(hi["nodes"], lo["nodes"])
-    r["graph_growth"] = _ratio(hi["graph_bytes"], lo["graph_bytes"])
+    r["node_growth"] = ratio(hi["nodes"], lo["nodes"])
+    r["graph_growth"] = ratio(hi["graph_bytes"], lo["graph_bytes"])
     for sys_name in ("server", "dgl"):
         times = [s[sys_name]["batch_ms"] for s in scales
                  if isinstance(s.get(sys_name), dict) and s[sys_name].get("batch_ms")]
-        r[f"{sys_name}_batch_time_max_over_min"] = (_ratio(max(times), min(times))
+        r[f"{sys_name}_batch_time_max_over_min"] = (ratio(max(times), min(times))
                                                     if len(times) > 1 else None)
         # Batches of a larger graph have more distinct input nodes (fewer repeats among the
         # sampled neighbours): time per input node separates that from slower operations.
@@ -402,19 +225,19 @@ def compute_ratios(scales: list[dict]) -> dict:
                     for s in scales if isinstance(s.get(sys_name), dict)
                     and s[sys_name].get("batch_ms") and s[sys_name].get("input_nodes_per_batch")]
         r[f"{sys_name}_time_per_input_node_max_over_min"] = (
-            _ratio(max(per_node), min(per_node)) if len(per_node) > 1 else None)
+            ratio(max(per_node), min(per_node)) if len(per_node) > 1 else None)
         mem_lo = (lo.get(sys_name) or {}).get("peak_rss_bytes")
         mem_hi = (hi.get(sys_name) or {}).get("peak_rss_bytes")
         t_lo = (lo.get(sys_name) or {}).get("batch_ms")
         t_hi = (hi.get(sys_name) or {}).get("batch_ms")
-        r[f"{sys_name}_batch_time_growth"] = _ratio(t_hi, t_lo)
-        r[f"{sys_name}_mem_growth"] = _ratio(mem_hi, mem_lo)
-        r[f"{sys_name}_mem_growth_vs_graph_growth"] = _ratio(r[f"{sys_name}_mem_growth"],
+        r[f"{sys_name}_batch_time_growth"] = ratio(t_hi, t_lo)
+        r[f"{sys_name}_mem_growth"] = ratio(mem_hi, mem_lo)
+        r[f"{sys_name}_mem_growth_vs_graph_growth"] = ratio(r[f"{sys_name}_mem_growth"],
                                                              r["graph_growth"])
-    r["prep_peak_rss_growth"] = _ratio(hi.get("prep_peak_rss_bytes"),
+    r["prep_peak_rss_growth"] = ratio(hi.get("prep_peak_rss_bytes"),
                                        lo.get("prep_peak_rss_bytes"))
     r["server_over_dgl_batch_time"] = {
-        str(s["scale"]): _ratio((s.get("server") or {}).get("batch_ms"),
+        str(s["scale"]): ratio((s.get("server") or {}).get("batch_ms"),
                                 (s.get("dgl") or {}).get("batch_ms")) for s in scales}
     return r
 
@@ -460,61 +283,72 @@ def print_table(summary: dict) -> None:
     print(file=sys.stderr, flush=True)
 
 
+def scale_config(args: argparse.Namespace) -> dict:
+    return {"scales": args.scales, "base_nodes": args.base_nodes,
+            "avg_degree": args.avg_degree, "feat_dim": args.feat_dim,
+            "num_classes": args.num_classes, "train_frac": args.train_frac,
+            "eval_frac": args.eval_frac, "fanouts": args.fanouts,
+            "batch_size": args.batch_size, "batches": args.batches, "warmup_batches": 2,
+            "inflight": args.inflight, "server_workers": args.server_workers,
+            "dgl_num_workers": 0, "skip_dgl": args.skip_dgl, "seed": args.seed,
+            "cache_dir": str(args.cache_dir)}
+
+
+def logged_step(args: argparse.Namespace, name: str, n: int, scale: float,
+                errors: dict[str, str]) -> dict | None:
+    """:func:`run_step` with progress lines; on failure the error goes to ``errors`` (under
+    ``"<scale>:<step>"``) and the result is None."""
+    key = f"{scale:g}:{name}"
+    log(f"scale {scale:g} ({n:,} nodes): {name}")
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    try:
+        res = run_step(args, name, n)
+        res["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        log(f"{key}: done in {time.perf_counter() - t0:.1f}s: {json.dumps(res)}")
+        return res
+    except Exception as e:  # one failed step must not lose the others
+        errors[key] = f"{type(e).__name__}: {e}"
+        log(f"{key}: FAILED after {time.perf_counter() - t0:.1f}s\n"
+            f"{traceback.format_exc()}")
+        return None
+
+
+def measure_scale(args: argparse.Namespace, entry: dict, errors: dict[str, str]) -> None:
+    """Every step at one scale, filling ``entry`` (``{"scale", "nodes"}``); the server and
+    DGL steps run only when the graph could be made."""
+    scale, n = entry["scale"], entry["nodes"]
+    prep = logged_step(args, "generate", n, scale, errors)
+    if prep is None:
+        return
+    parts = Path(prep["parts_dir"])
+    meta = PartitionSetMeta.load(parts)
+    entry.update({"nodes": meta.num_nodes, "edges": meta.num_edges // 2,
+                  "directed_edges": meta.num_edges,
+                  "num_train": sum(p.num_train for p in meta.parts),
+                  **graph_bytes(parts), "parts_dir": str(parts),
+                  "cached": prep["cached"], "generate_s": prep["generate_s"],
+                  "partition_s": prep["partition_s"],
+                  "prep_peak_rss_bytes": prep["prep_peak_rss_bytes"]})
+    entry["server"] = logged_step(args, "server", n, scale, errors)
+    entry["dgl"] = None if args.skip_dgl else logged_step(args, "dgl", n, scale, errors)
+    srv, dgl = entry["server"] or {}, entry["dgl"] or {}
+    entry["server_over_dgl_batch_time"] = ratio(srv.get("batch_ms"), dgl.get("batch_ms"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.step:
         return run_step_here(args)
-    from benchmarks.run import machine_info
-
     t_start = time.perf_counter()
     machine = machine_info()
-    config = {"scales": args.scales, "base_nodes": args.base_nodes,
-              "avg_degree": args.avg_degree, "feat_dim": args.feat_dim,
-              "num_classes": args.num_classes, "train_frac": args.train_frac,
-              "eval_frac": args.eval_frac, "fanouts": args.fanouts,
-              "batch_size": args.batch_size, "batches": args.batches, "warmup_batches": 2,
-              "inflight": args.inflight, "server_workers": args.server_workers,
-              "dgl_num_workers": 0, "skip_dgl": args.skip_dgl, "seed": args.seed,
-              "cache_dir": str(args.cache_dir)}
+    config = scale_config(args)
     scales: list[dict] = []
     errors: dict[str, str] = {}
     for scale in args.scales:
-        n = max(2, round(scale * args.base_nodes))
-        entry: dict = {"scale": scale, "nodes": n}
+        entry: dict = {"scale": scale, "nodes": max(2, round(scale * args.base_nodes))}
         scales.append(entry)
-
-        def step(name: str, n: int = n, scale: float = scale) -> dict | None:
-            key = f"{scale:g}:{name}"
-            log(f"scale {scale:g} ({n:,} nodes): {name}")
-            t0 = time.perf_counter()
-            load0 = os.getloadavg()[0]
-            try:
-                res = run_step(args, name, n)
-                res["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-                log(f"{key}: done in {time.perf_counter() - t0:.1f}s: {json.dumps(res)}")
-                return res
-            except Exception as e:  # one failed step must not lose the others
-                errors[key] = f"{type(e).__name__}: {e}"
-                log(f"{key}: FAILED after {time.perf_counter() - t0:.1f}s\n"
-                    f"{traceback.format_exc()}")
-                return None
-
-        prep = step("generate")
-        if prep is None:
-            continue
-        parts = Path(prep["parts_dir"])
-        meta = PartitionSetMeta.load(parts)
-        entry.update({"nodes": meta.num_nodes, "edges": meta.num_edges // 2,
-                      "directed_edges": meta.num_edges,
-                      "num_train": sum(p.num_train for p in meta.parts),
-                      **graph_bytes(parts), "parts_dir": str(parts),
-                      "cached": prep["cached"], "generate_s": prep["generate_s"],
-                      "partition_s": prep["partition_s"],
-                      "prep_peak_rss_bytes": prep["prep_peak_rss_bytes"]})
-        entry["server"] = step("server")
-        entry["dgl"] = None if args.skip_dgl else step("dgl")
-        srv, dgl = entry["server"] or {}, entry["dgl"] or {}
-        entry["server_over_dgl_batch_time"] = _ratio(srv.get("batch_ms"), dgl.get("batch_ms"))
+        measure_scale(args, entry, errors)
 
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     summary = {"machine": machine, "config": config, "scales": scales,

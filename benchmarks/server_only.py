@@ -23,6 +23,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ from common.rpc import RpcChannel, expect
 from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import new_token_file
+from common.stats import ServerStats
 from deploy.processes import ProcessGroup
 from partition.layout import PartitionSetMeta
 
@@ -76,6 +79,113 @@ def _batches(seeds: torch.Tensor, batch_size: int, seed: int):
         yield from torch.split(perm, batch_size)
 
 
+def _spawn_servers(group: ProcessGroup, parts_dir: str | Path, num_parts: int, run_dir: Path,
+                   *, server_workers: int, inflight: int, max_message_mb: int, seed: int,
+                   sampler_procs: int) -> tuple[list[Path], str]:
+    """Start one ``sampler_server.main`` per part (with a cluster file when there are several
+    parts); the files each writes once serving, and the shutdown token."""
+    cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}.sock"] for p in range(num_parts)})
+    cluster_file = run_dir / "cluster.yaml"
+    cluster.write(cluster_file)
+    ready_files = [run_dir / f"ready-{p}" for p in range(num_parts)]
+    token = new_token_file(run_dir / "shutdown.token")
+    for p, ep in cluster.all_endpoints():
+        argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts_dir),
+                "--part-id", str(p), "--bind", ep, "--ready-file", str(ready_files[p]),
+                "--num-workers", str(server_workers), "--max-queue", str(max(64, inflight)),
+                "--max-message-mb", str(max_message_mb), "--seed", str(seed + p),
+                "--sampler-procs", str(sampler_procs),
+                "--shutdown-token-file", str(run_dir / "shutdown.token")]
+        if num_parts > 1:
+            argv += ["--cluster", str(cluster_file)]
+        group.spawn(f"server p{p}", argv)
+    return ready_files, token
+
+
+def _train_seeds(ch: RpcChannel, ep: str, parts_dir: str | Path) -> torch.Tensor:
+    """Part 0's training seeds, after a Ping."""
+    expect(ch.call(Ping()), Pong, ep)
+    train = expect(ch.call(SeedsRequest(split="train")), SeedsReply, ep).seeds.clone()
+    if train.numel() == 0:
+        raise ServerBenchError(f"part 0 of {parts_dir} has no training seeds to sample")
+    return train
+
+
+@dataclass
+class _Streamed:
+    """What the timed replies (after the warm-up) brought."""
+
+    seeds: int = 0
+    input_nodes: int = 0
+    in_ring: int = 0  # replies (warm-up included) whose features the server put in the ring
+    elapsed_s: float = 0.0
+    nbytes: int = 0
+
+
+def _stream(ch: RpcChannel, ep: str, stream: Iterator[torch.Tensor], fanouts: list[int],
+            ring: ShmRing | None, total: int, warmup: int, inflight: int) -> _Streamed:
+    """Keep ``inflight`` requests outstanding until ``total`` replies have arrived; timing
+    starts once the first ``warmup`` replies are in."""
+    slots: dict[int, int] = {}
+
+    def send() -> None:
+        slot = ring.acquire() if ring is not None else None
+        rid = ch.send(SampleRequest(
+            seeds=next(stream), fanouts=list(fanouts),
+            slot=ring.ref(slot) if slot is not None else None))  # type: ignore[union-attr]
+        if slot is not None:
+            slots[rid] = slot
+
+    got = _Streamed()
+    sent = received = bytes0 = 0
+    t0 = time.perf_counter()
+    while sent < min(inflight, total):
+        send()
+        sent += 1
+    while received < total:
+        msg, rid = ch.recv(waiting_for="a sampled MFG")
+        mfg = expect(msg, MFGReply, ep).mfg
+        feat = mfg.only.feat
+        if feat.slot_error:
+            raise ServerBenchError(f"the server could not use the ring: {feat.slot_error}")
+        if rid in slots:
+            got.in_ring += feat.via == FEAT_RING
+            ring.release(slots.pop(rid))  # type: ignore[union-attr]
+        received += 1
+        if received == warmup:  # timing starts once the warm-up replies are in
+            t0, bytes0 = time.perf_counter(), ch.bytes_received
+        elif received > warmup:
+            got.seeds += mfg.output_nodes.numel()
+            got.input_nodes += mfg.input_nodes.numel()
+        del mfg, feat
+        if sent < total:
+            send()
+            sent += 1
+    got.elapsed_s = time.perf_counter() - t0
+    got.nbytes = ch.bytes_received - bytes0
+    return got
+
+
+_SERVER_STATS = ("sample_requests", "sample_s", "gather_s", "remote_s", "encode_s", "busy",
+                 "errors", "bytes_out", "sampler_processes")
+
+
+def _server_stats(values: Mapping[str, float]) -> dict:
+    """The STATS reply's counters kept in the result: seconds rounded, counts as ints."""
+    stats = ServerStats.from_wire(values).to_wire()
+    return {k: (round(v, 4) if k.endswith("_s") else int(v)) for k, v in stats.items()
+            if k in _SERVER_STATS or k.startswith("mem_")}
+
+
+def _figures(got: _Streamed, num_batches: int) -> dict:
+    elapsed = max(got.elapsed_s, 1e-9)
+    return {"batches": num_batches, "seeds": got.seeds, "elapsed_s": round(got.elapsed_s, 3),
+            "batches_per_s": round(num_batches / elapsed, 3),
+            "seeds_per_s": round(got.seeds / elapsed, 1),
+            "mb_per_s": round(got.nbytes / elapsed / 1e6, 2),
+            "input_nodes_per_batch": round(got.input_nodes / max(num_batches, 1), 1)}
+
+
 def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
                    num_batches: int, inflight: int = 4, server_workers: int = 2,
                    warmup: int = 2, seed: int = 0, startup_timeout_s: float = 120.0,
@@ -93,100 +203,27 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
     ring: ShmRing | None = None
     token = ""
     try:
-        cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}.sock"] for p in range(meta.num_parts)})
-        cluster_file = run_dir / "cluster.yaml"
-        cluster.write(cluster_file)
-        ready_files = [run_dir / f"ready-{p}" for p in range(meta.num_parts)]
-        token = new_token_file(run_dir / "shutdown.token")
-        for p, ep in cluster.all_endpoints():
-            argv = [sys.executable, "-m", "sampler_server.main", "--parts", str(parts_dir),
-                    "--part-id", str(p), "--bind", ep, "--ready-file", str(ready_files[p]),
-                    "--num-workers", str(server_workers), "--max-queue", str(max(64, inflight)),
-                    "--max-message-mb", str(max_message_mb), "--seed", str(seed + p),
-                    "--sampler-procs", str(sampler_procs),
-                    "--shutdown-token-file", str(run_dir / "shutdown.token")]
-            if meta.num_parts > 1:
-                argv += ["--cluster", str(cluster_file)]
-            group.spawn(f"server p{p}", argv)
+        ready_files, token = _spawn_servers(
+            group, parts_dir, meta.num_parts, run_dir, server_workers=server_workers,
+            inflight=inflight, max_message_mb=max_message_mb, seed=seed,
+            sampler_procs=sampler_procs)
         t_spawn = time.perf_counter()
         endpoints = _wait_ready(group, ready_files, startup_timeout_s)
         startup_s = time.perf_counter() - t_spawn
-
         ep = endpoints[0]
         ch = RpcChannel(ctx, ep, timeout_s=request_timeout_s, setting="--request-timeout-s",
                         max_message_bytes=max_message_mb << 20)
-        expect(ch.call(Ping()), Pong, ep)
-        train = expect(ch.call(SeedsRequest(split="train")), SeedsReply, ep).seeds.clone()
-        if train.numel() == 0:
-            raise ServerBenchError(f"part 0 of {parts_dir} has no training seeds to sample")
-        stream = _batches(train, batch_size, seed)
+        stream = _batches(_train_seeds(ch, ep, parts_dir), batch_size, seed)
         if shm_ring:
             rows = max_input_rows(batch_size, fanouts, meta.num_nodes)
             ring = ShmRing(inflight, rows * meta.feat_dim * 4)
-        slots: dict[int, int] = {}
-
-        def send() -> None:
-            slot = ring.acquire() if ring is not None else None
-            rid = ch.send(SampleRequest(  # type: ignore[union-attr]
-                seeds=next(stream), fanouts=list(fanouts),
-                slot=ring.ref(slot) if slot is not None else None))  # type: ignore[union-attr]
-            if slot is not None:
-                slots[rid] = slot
-
-        total = num_batches + warmup
-        sent = received = seeds_done = input_nodes = in_ring = 0
-        bytes0 = 0
-        t0 = time.perf_counter()
-        while sent < min(inflight, total):
-            send()
-            sent += 1
-        while received < total:
-            msg, rid = ch.recv(waiting_for="a sampled MFG")
-            mfg = expect(msg, MFGReply, ep).mfg
-            feat = mfg.only.feat
-            if feat.slot_error:
-                raise ServerBenchError(f"the server could not use the ring: {feat.slot_error}")
-            if rid in slots:
-                in_ring += feat.via == FEAT_RING
-                ring.release(slots.pop(rid))  # type: ignore[union-attr]
-            received += 1
-            if received == warmup:  # timing starts once the warm-up replies are in
-                t0, bytes0 = time.perf_counter(), ch.bytes_received
-            elif received > warmup:
-                seeds_done += mfg.output_nodes.numel()
-                input_nodes += mfg.input_nodes.numel()
-            del mfg, feat
-            if sent < total:
-                send()
-                sent += 1
-        if warmup == 0:
-            bytes0 = 0
-        elapsed = time.perf_counter() - t0
-        nbytes = ch.bytes_received - bytes0
+        got = _stream(ch, ep, stream, fanouts, ring, num_batches + warmup, warmup, inflight)
         stats = expect(ch.call(StatsRequest()), StatsReply, ep).values
-        result = {
-            "parts": meta.num_parts,
-            "servers": len(endpoints),
-            "server_workers": server_workers,
-            "sampler_procs": sampler_procs,
-            "inflight": inflight,
-            "batches": num_batches,
-            "seeds": seeds_done,
-            "elapsed_s": round(elapsed, 3),
-            "batches_per_s": round(num_batches / max(elapsed, 1e-9), 3),
-            "seeds_per_s": round(seeds_done / max(elapsed, 1e-9), 1),
-            "mb_per_s": round(nbytes / max(elapsed, 1e-9) / 1e6, 2),
-            "input_nodes_per_batch": round(input_nodes / max(num_batches, 1), 1),
-            "shm_ring": shm_ring,
-            "replies_in_ring": in_ring,
-            "startup_s": round(startup_s, 3),
-            "server_stats": {k: (round(v, 4) if k.endswith("_s") else int(v))
-                             for k, v in stats.items()
-                             if k in ("sample_requests", "sample_s", "gather_s", "remote_s",
-                                      "encode_s", "busy", "errors", "bytes_out",
-                                      "sampler_processes")
-                             or k.startswith("mem_")},
-        }
+        result = {"parts": meta.num_parts, "servers": len(endpoints),
+                  "server_workers": server_workers, "sampler_procs": sampler_procs,
+                  "inflight": inflight, **_figures(got, num_batches), "shm_ring": shm_ring,
+                  "replies_in_ring": got.in_ring, "startup_s": round(startup_s, 3),
+                  "server_stats": _server_stats(stats)}
     finally:
         if ch is not None:
             ch.close()

@@ -1,0 +1,86 @@
+"""What both benchmark commands (``benchmarks.run``, ``benchmarks.scale``) share in their
+output: progress lines, the machine description, mfgserve / DGL ratios, the command line and
+the summary itself (a table on stderr, then one JSON line on stdout)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def logger(tag: str) -> Callable[[str], None]:
+    """A progress printer: ``[tag HH:MM:SS] msg`` lines on stderr."""
+
+    def log(msg: str) -> None:
+        print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def machine_info() -> dict:
+    from common.dgl_compat import import_dgl
+
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                                capture_output=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, text=True,
+                                    capture_output=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", False
+    return {
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu": cpu_model,
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dgl": import_dgl().__version__,
+        "numpy": np.__version__,
+        "os": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": commit + ("-dirty" if dirty else ""),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+
+
+def emit_summary(summary: dict, out: str | None, table) -> None:
+    """The readable table on stderr, then the JSON summary as the last stdout line (and in
+    ``out`` if given)."""
+    table(summary)
+    line = json.dumps(summary)
+    if out:
+        Path(out).write_text(line + "\n")
+    print(line, flush=True)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den`` rounded to 3 places; None when either is missing or zero."""
+    if not num or not den:
+        return None
+    return round(num / den, 3)
