@@ -271,6 +271,82 @@ def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: st
     return data.validate()
 
 
+def _read_meta_json(src: Path) -> dict:
+    """``src/meta.json`` as a dict, ogb's meta_dict values as the strings ogb compares."""
+    meta_path = src / "meta.json"
+    if not meta_path.is_file():
+        raise DatasetError(
+            f"{src} has no meta.json: it is not in OGB raw layout; add a meta.json with ogb's "
+            "meta_dict fields (see ../shared/datasets/cora/meta.json)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DatasetError(f"cannot read {meta_path}: {e}; fix the JSON") from e
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{meta_path} must hold a JSON object of ogb meta_dict fields")
+    return {k: _meta_str(v) if k in META_KEYS else v for k, v in meta.items()}
+
+
+def _dir_source(dataset_dir: str, work_dir: str | None):
+    """(src, meta, ds_name, where, work parent) of a directory in OGB raw layout, checked."""
+    src = Path(dataset_dir)
+    if not src.is_dir():
+        raise DatasetError(
+            f"dataset directory {src} does not exist; pass a directory in OGB raw layout "
+            "(raw/, split/, meta.json), e.g. ../shared/datasets/cora"
+        )
+    meta = _read_meta_json(src)
+    ds_name = str(meta.get("name") or src.resolve().name)
+    where = f"dataset directory {src}"
+    _check_supported(meta, where)
+    _check_layout(src, meta, where)
+    return src, meta, ds_name, where, work_dir
+
+
+def _named_source(name: str, root: str | None, work_dir: str | None):
+    """(src, meta, ds_name, where, work parent) of an ogb dataset by name, downloaded when
+    its raw files are missing, checked."""
+    master = _ogb_master()
+    if name not in master:
+        known = ", ".join(k for k in master if k.startswith("ogbn-"))
+        raise DatasetError(
+            f"unknown OGB dataset {name!r}; ogb knows {known}. For other data pass "
+            "--dataset-dir DIR (OGB raw layout) or --dataset synthetic"
+        )
+    meta = master[name]
+    ds_name = name
+    root_p = Path(root or DEFAULT_ROOT)
+    src = root_p / "_".join(name.split("-"))
+    where = f"OGB dataset {name} in {src}"
+    _check_supported(meta, where)
+    if any(not (src / f).is_file() for f in _required_raw_files(meta)):
+        with contextlib.redirect_stdout(sys.stderr):
+            _download(name, meta, root_p, src)
+    _check_layout(src, meta, where)
+    parent = work_dir if work_dir is not None else str(root_p)
+    return src, meta, ds_name, where, parent
+
+
+def _load_staged(src: Path, meta: dict, ds_name: str, where: str, parent: str | None,
+                 add_reverse_edges: bool) -> GraphData:
+    """Stage ``src`` into a working dir under ``parent``, let ogb read it, remove the dir."""
+    from ogb.nodeproppred import NodePropPredDataset
+
+    work = _stage(src, meta, parent)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # ogb prints progress to stdout
+            try:
+                ds = NodePropPredDataset(name=ds_name, meta_dict={**meta, "dir_path": str(work)})
+            except (RuntimeError, ValueError, KeyError, OSError) as e:
+                raise DatasetError(f"ogb could not read {where}: {e!r}; check its raw files") from e
+            feat_file = "raw/data.npz" if meta.get("binary") == "True" else "raw/node-feat.csv.gz"
+            return _to_graph_data(ds, ds_name, meta, add_reverse_edges, where,
+                                  str(src / feat_file))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def load_ogb(
     name: str | None = None,
     root: str | None = None,
@@ -297,61 +373,8 @@ def load_ogb(
     if (name is None) == (dataset_dir is None):
         raise DatasetError("give exactly one of name (an ogbn-* dataset) or dataset_dir")
     if dataset_dir is not None:
-        src = Path(dataset_dir)
-        if not src.is_dir():
-            raise DatasetError(
-                f"dataset directory {src} does not exist; pass a directory in OGB raw layout "
-                "(raw/, split/, meta.json), e.g. ../shared/datasets/cora"
-            )
-        meta_path = src / "meta.json"
-        if not meta_path.is_file():
-            raise DatasetError(
-                f"{src} has no meta.json: it is not in OGB raw layout; add a meta.json with ogb's "
-                "meta_dict fields (see ../shared/datasets/cora/meta.json)"
-            )
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DatasetError(f"cannot read {meta_path}: {e}; fix the JSON") from e
-        if not isinstance(meta, dict):
-            raise DatasetError(f"{meta_path} must hold a JSON object of ogb meta_dict fields")
-        meta = {k: _meta_str(v) if k in META_KEYS else v for k, v in meta.items()}
-        ds_name = str(meta.get("name") or src.resolve().name)
-        where = f"dataset directory {src}"
-        _check_supported(meta, where)
-        _check_layout(src, meta, where)
-        parent = work_dir
+        src, meta, ds_name, where, parent = _dir_source(dataset_dir, work_dir)
     else:
-        master = _ogb_master()
-        if name not in master:
-            known = ", ".join(k for k in master if k.startswith("ogbn-"))
-            raise DatasetError(
-                f"unknown OGB dataset {name!r}; ogb knows {known}. For other data pass "
-                "--dataset-dir DIR (OGB raw layout) or --dataset synthetic"
-            )
-        meta = master[name]
-        ds_name = name
-        root_p = Path(root or DEFAULT_ROOT)
-        src = root_p / "_".join(name.split("-"))
-        where = f"OGB dataset {name} in {src}"
-        _check_supported(meta, where)
-        if any(not (src / f).is_file() for f in _required_raw_files(meta)):
-            with contextlib.redirect_stdout(sys.stderr):
-                _download(name, meta, root_p, src)
-        _check_layout(src, meta, where)
-        parent = work_dir if work_dir is not None else str(root_p)
-
-    from ogb.nodeproppred import NodePropPredDataset
-
-    work = _stage(src, meta, parent)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # ogb prints progress to stdout
-            try:
-                ds = NodePropPredDataset(name=ds_name, meta_dict={**meta, "dir_path": str(work)})
-            except (RuntimeError, ValueError, KeyError, OSError) as e:
-                raise DatasetError(f"ogb could not read {where}: {e!r}; check its raw files") from e
-            feat_file = "raw/data.npz" if meta.get("binary") == "True" else "raw/node-feat.csv.gz"
-            return _to_graph_data(ds, ds_name, meta, add_reverse_edges, where,
-                                  str(src / feat_file))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        assert name is not None  # exactly one of the two is given
+        src, meta, ds_name, where, parent = _named_source(name, root, work_dir)
+    return _load_staged(src, meta, ds_name, where, parent, add_reverse_edges)

@@ -39,6 +39,8 @@ from tqdm import tqdm
 
 from partition import layout
 from partition.graph_data import GraphData
+from partition.halo import halo_arrays
+from partition.hotness import presample_hotness, rank_within_parts
 from partition.layout import PartitionSetMeta
 from partition.outdir import (
     PartitionError,
@@ -163,68 +165,6 @@ def _sort_keys(keys: np.ndarray) -> np.ndarray:
     return keys
 
 
-def _in_neighbours(keys: np.ndarray, g_indptr: np.ndarray, n: int,
-                   nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(indptr, sources) of the in-edges of ``nodes`` (new ids), from the sorted edge keys."""
-    starts, ends = g_indptr[nodes], g_indptr[nodes + 1]
-    counts = ends - starts
-    indptr = np.zeros(nodes.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    pos = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1], dtype=np.int64)
-    return indptr, np.remainder(keys[pos], n)
-
-
-def _halo_arrays(keys: np.ndarray, g_indptr: np.ndarray, n: int, lo: int, hi: int, hops: int,
-                 data: GraphData, new_to_orig: np.ndarray) -> dict[str, np.ndarray]:
-    """The halo of part [lo, hi): other parts' nodes within ``hops`` in-hops, with all their
-    in-edges, features and labels."""
-    frontier = np.arange(lo, hi, dtype=np.int64)
-    halo = np.empty(0, dtype=np.int64)
-    for _ in range(hops):
-        _, nbrs = _in_neighbours(keys, g_indptr, n, frontier)
-        nbrs = np.unique(nbrs)
-        nbrs = nbrs[(nbrs < lo) | (nbrs >= hi)]
-        frontier = np.setdiff1d(nbrs, halo, assume_unique=True)
-        halo = np.union1d(halo, frontier)
-    indptr, indices = _in_neighbours(keys, g_indptr, n, halo)
-    orig = new_to_orig[halo]
-    return {"halo_nodes": halo, "halo_indptr": indptr, "halo_indices": indices,
-            "halo_feat": data.feat[orig], "halo_label": data.label[orig]}
-
-
-def _presample_hotness(keys: np.ndarray, n: int, train: np.ndarray, batches: int,
-                       fanouts: tuple[int, ...], batch_size: int, seed: int,
-                       progress: bool) -> np.ndarray:
-    """How often each node (new id) is an input node of sampled mini-batches of ``train``."""
-    import torch
-
-    from common.dgl_compat import import_dgl
-
-    dgl = import_dgl()
-    indptr = np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * n, side="left")
-    g = dgl.graph(("csc", (torch.from_numpy(indptr), torch.from_numpy(np.remainder(keys, n)),
-                           torch.empty(0, dtype=torch.int64))), num_nodes=n)
-    sampler = dgl.dataloading.NeighborSampler(list(fanouts))
-    rng = np.random.default_rng(seed)
-    counts = np.zeros(n, dtype=np.int64)
-    dgl.seed(seed)
-    for _ in tqdm(range(batches), desc="pre-sample hot nodes", file=sys.stderr,
-                  disable=not progress):
-        seeds = rng.choice(train, size=min(batch_size, train.size), replace=False)
-        input_nodes, _, _ = sampler.sample(g, torch.from_numpy(seeds))
-        counts[input_nodes.numpy()] += 1
-    return counts
-
-
-def _rank_within_parts(hot: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """rank[gid] = position of gid in its part when sorted by hotness (desc), ties by id."""
-    rank = np.empty(hot.size, dtype=np.int64)
-    for lo, hi in zip(offsets[:-1], offsets[1:]):
-        order = np.argsort(-hot[lo:hi], kind="stable")
-        rank[lo + order] = np.arange(hi - lo)
-    return rank
-
-
 def _balance(counts: np.ndarray) -> float:
     mean = float(np.mean(counts)) if counts.size else 0.0
     return float(np.max(counts) / mean) if mean > 0 else 1.0
@@ -278,28 +218,31 @@ def partition_graph(
                           presample, t0)
 
 
-def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: str, seed: int,
-               progress: bool, halo_hops: int, presample: tuple, t0: float) -> PartitionSetMeta:
-    """Steps 1-3 of the module docstring, into the (new, empty) directory ``out``; ``shown``
-    is the ``out`` the user asked for, ``presample`` (batches, fanouts, batch size)."""
-    n, e = int(data.num_nodes), data.num_edges
-    presample_batches, presample_fanouts, presample_batch_size = presample
-
-    # 1. assignment
+def _checked_assignment(data: GraphData, num_parts: int, method: str, seed: int) -> np.ndarray:
+    """Step 1: :func:`assign_parts`, checked to give every node a part in range."""
+    n = int(data.num_nodes)
     parts = assign_parts(data, num_parts, method, seed)
     if parts.shape != (n,) or (n and (parts.min() < 0 or parts.max() >= num_parts)):
         raise PartitionError(f"part assignment is malformed (range [{parts.min()}, {parts.max()}])")
-    t_assign = time.perf_counter()
+    return parts
 
-    # 2. relabel: new ids sorted by (part, original id)
+
+def _relabel_nodes(parts: np.ndarray, num_parts: int, n: int):
+    """Step 2, nodes: (new_to_orig, orig_to_new, part_nodes, offsets); new ids are sorted by
+    (part, original id)."""
     new_to_orig = np.argsort(parts, kind="stable").astype(np.int64, copy=False)
     orig_to_new = np.empty(n, dtype=np.int64)
     orig_to_new[new_to_orig] = np.arange(n, dtype=np.int64)
     part_nodes = np.bincount(parts, minlength=num_parts).astype(np.int64)
     offsets = np.zeros(num_parts + 1, dtype=np.int64)
     np.cumsum(part_nodes, out=offsets[1:])
-    del parts
-    # edges as keys new_dst * n + new_src, sorted: CSC order with in-edges sorted by source
+    return new_to_orig, orig_to_new, part_nodes, offsets
+
+
+def _edge_keys(data: GraphData, orig_to_new: np.ndarray, n: int, progress: bool) -> np.ndarray:
+    """Step 2, edges: keys new_dst * n + new_src, sorted (CSC order, in-edges sorted by
+    source)."""
+    e = data.num_edges
     keys = np.empty(e, dtype=np.int64)
     bar = tqdm(
         total=e,
@@ -315,11 +258,41 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         keys[sl] += orig_to_new[data.src[sl]]
         bar.update(sl.stop - sl.start)
     bar.close()
-    keys = _sort_keys(keys)
-    t_relabel = time.perf_counter()
+    return _sort_keys(keys)
 
-    # 3. write parts
-    splits_new = {s: np.sort(orig_to_new[data.split(s)]) for s in layout.SPLITS}
+
+def _part_arrays(data: GraphData, keys: np.ndarray, n: int, lo_n: int, hi_n: int,
+                 new_to_orig: np.ndarray, splits_new: dict[str, np.ndarray]):
+    """(arrays, edge cut) of the part owning new ids [lo_n, hi_n), halo excluded."""
+    bounds = np.searchsorted(keys, np.arange(lo_n, hi_n + 1, dtype=np.int64) * n, side="left")
+    lo_e, hi_e = int(bounds[0]), int(bounds[-1])
+    indptr = bounds - lo_e
+    indices = np.empty(hi_e - lo_e, dtype=np.int64)
+    cut = 0
+    for s in range(lo_e, hi_e, _CHUNK):
+        chunk = np.remainder(keys[s : min(hi_e, s + _CHUNK)], n)
+        indices[s - lo_e : s - lo_e + chunk.shape[0]] = chunk
+        cut += int(np.count_nonzero((chunk < lo_n) | (chunk >= hi_n)))
+    orig_ids = new_to_orig[lo_n:hi_n]
+    arrays = {
+        "indptr": indptr,
+        "indices": indices,
+        "feat": data.feat[orig_ids],
+        "label": data.label[orig_ids],
+        "orig_ids": orig_ids,
+    }
+    for s in layout.SPLITS:
+        ids = splits_new[s]
+        a, b = np.searchsorted(ids, [lo_n, hi_n])
+        arrays[s] = ids[a:b]
+    return arrays, cut
+
+
+def _write_parts(out: Path, shown: Path, data: GraphData, keys: np.ndarray,
+                 offsets: np.ndarray, new_to_orig: np.ndarray,
+                 splits_new: dict[str, np.ndarray], halo_hops: int, progress: bool):
+    """Step 3, parts: write every part; return (part infos, per-part edge cut)."""
+    n, num_parts = int(data.num_nodes), int(offsets.shape[0]) - 1
     g_indptr = (np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * n, side="left")
                 if halo_hops else None)
     infos, part_cut = [], []
@@ -327,47 +300,35 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         range(num_parts), desc=f"write parts to {shown}", file=sys.stderr, disable=not progress
     ):
         lo_n, hi_n = int(offsets[p]), int(offsets[p + 1])
-        bounds = np.searchsorted(keys, np.arange(lo_n, hi_n + 1, dtype=np.int64) * n, side="left")
-        lo_e, hi_e = int(bounds[0]), int(bounds[-1])
-        indptr = bounds - lo_e
-        indices = np.empty(hi_e - lo_e, dtype=np.int64)
-        cut = 0
-        for s in range(lo_e, hi_e, _CHUNK):
-            chunk = np.remainder(keys[s : min(hi_e, s + _CHUNK)], n)
-            indices[s - lo_e : s - lo_e + chunk.shape[0]] = chunk
-            cut += int(np.count_nonzero((chunk < lo_n) | (chunk >= hi_n)))
-        orig_ids = new_to_orig[lo_n:hi_n]
-        arrays = {
-            "indptr": indptr,
-            "indices": indices,
-            "feat": data.feat[orig_ids],
-            "label": data.label[orig_ids],
-            "orig_ids": orig_ids,
-        }
-        for s in layout.SPLITS:
-            ids = splits_new[s]
-            a, b = np.searchsorted(ids, [lo_n, hi_n])
-            arrays[s] = ids[a:b]
+        arrays, cut = _part_arrays(data, keys, n, lo_n, hi_n, new_to_orig, splits_new)
         if halo_hops:
-            arrays.update(_halo_arrays(keys, g_indptr, n, lo_n, hi_n, halo_hops, data,
-                                       new_to_orig))
+            arrays.update(halo_arrays(keys, g_indptr, n, lo_n, hi_n, halo_hops, data,
+                                      new_to_orig))
         infos.append(layout.write_part(out, p, arrays))
         part_cut.append(cut)
-        del arrays, indices, indptr, bounds
-    hot = None
-    if presample_batches > 0 and splits_new["train"].size:
-        hot = _presample_hotness(keys, n, splits_new["train"], presample_batches,
-                                 presample_fanouts, presample_batch_size, seed, progress)
-    del keys
-    layout.save_array(out / "orig_to_new.npy", orig_to_new)
-    if hot is not None:
-        layout.save_array(out / layout.HOT_RANK_FILE, _rank_within_parts(hot, offsets))
-    t_write = time.perf_counter()
+        del arrays
+    return infos, part_cut
 
+
+def _hotness(keys: np.ndarray, n: int, train: np.ndarray, presample: tuple, seed: int,
+             progress: bool) -> np.ndarray | None:
+    """Pre-sampled hotness counts, or None when ``presample`` asks for no batches or there
+    are no training seeds."""
+    presample_batches, presample_fanouts, presample_batch_size = presample
+    if presample_batches > 0 and train.size:
+        return presample_hotness(keys, n, train, presample_batches, presample_fanouts,
+                                 presample_batch_size, seed, progress)
+    return None
+
+
+def _stats(e: int, part_nodes: np.ndarray, infos: list, part_cut: list[int],
+           times: tuple[float, float, float, float]) -> dict:
+    """``meta.stats`` (see the module docstring); ``times`` = (t0, assign, relabel, write)."""
+    t0, t_assign, t_relabel, t_write = times
     part_edges = np.array([i.num_edges for i in infos], dtype=np.int64)
     part_train = np.array([i.num_train for i in infos], dtype=np.int64)
     edge_cut = int(sum(part_cut))
-    stats = {
+    return {
         "edge_cut": edge_cut,
         "edge_cut_frac": edge_cut / e if e else 0.0,
         "node_balance": _balance(part_nodes),
@@ -385,6 +346,29 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         "elapsed_s": round(time.perf_counter() - t0, 3),
         "peak_rss_bytes": peak_rss_bytes(),
     }
+
+
+def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: str, seed: int,
+               progress: bool, halo_hops: int, presample: tuple, t0: float) -> PartitionSetMeta:
+    """Steps 1-3 of the module docstring, into the (new, empty) directory ``out``; ``shown``
+    is the ``out`` the user asked for, ``presample`` (batches, fanouts, batch size)."""
+    n, e = int(data.num_nodes), data.num_edges
+    parts = _checked_assignment(data, num_parts, method, seed)  # 1. assignment
+    t_assign = time.perf_counter()
+    new_to_orig, orig_to_new, part_nodes, offsets = _relabel_nodes(parts, num_parts, n)  # 2.
+    del parts
+    keys = _edge_keys(data, orig_to_new, n, progress)
+    t_relabel = time.perf_counter()
+    splits_new = {s: np.sort(orig_to_new[data.split(s)]) for s in layout.SPLITS}  # 3. write
+    infos, part_cut = _write_parts(out, shown, data, keys, offsets, new_to_orig, splits_new,
+                                   halo_hops, progress)
+    hot = _hotness(keys, n, splits_new["train"], presample, seed, progress)
+    del keys
+    layout.save_array(out / "orig_to_new.npy", orig_to_new)
+    if hot is not None:
+        layout.save_array(out / layout.HOT_RANK_FILE, rank_within_parts(hot, offsets))
+    t_write = time.perf_counter()
+    stats = _stats(e, part_nodes, infos, part_cut, (t0, t_assign, t_relabel, t_write))
     meta = PartitionSetMeta(
         dataset=data.name,
         num_parts=num_parts,
@@ -397,7 +381,7 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         feat_dtype="float32",
         method=method,
         halo_hops=int(halo_hops),
-        edge_cut=edge_cut,
+        edge_cut=stats["edge_cut"],
         seed=int(seed),
         set_id=layout.new_set_id(),
         stats=stats,

@@ -135,46 +135,10 @@ def _dedupe_sorted(keys: np.ndarray) -> np.ndarray:
     return keys[keep]
 
 
-def generate(
-    num_nodes: int,
-    avg_degree: float = 20,
-    feat_dim: int = 100,
-    num_classes: int = 47,
-    seed: int = 0,
-    homophily: float = 0.8,
-    train_frac: float = 0.6,
-    valid_frac: float = 0.2,
-    feat_noise: float = DEFAULT_FEAT_NOISE,
-    progress: bool = True,
-    *,
-    degree_exponent: float = DEFAULT_DEGREE_EXPONENT,
-    name: str | None = None,
-) -> GraphData:
-    """Generate a synthetic undirected node-classification graph (see the module docstring).
-
-    ``avg_degree`` counts directed edges per node (both directions of an undirected edge),
-    so the graph has ``num_nodes * avg_degree / 2`` undirected edges, stored as
-    ``(u -> v), (v -> u)`` pairs. ``degree_exponent`` is the power-law exponent of the
-    degree distribution (> 2). Splits are a random ``train_frac`` / ``valid_frac`` / rest.
-    Deterministic for given arguments.
-    """
-    _check_args(
-        num_nodes,
-        avg_degree,
-        feat_dim,
-        num_classes,
-        homophily,
-        train_frac,
-        valid_frac,
-        feat_noise,
-        degree_exponent,
-    )
-    n, d, c = int(num_nodes), int(feat_dim), int(num_classes)
-    rng = np.random.default_rng(seed)
-    m_target = int(round(n * avg_degree / 2))
-    m_target = min(m_target, n * (n - 1) // 2)
-
-    # classes (mildly skewed sizes) and power-law expected degrees
+def _class_and_weights(
+    rng, n: int, c: int, avg_degree: float, degree_exponent: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Labels (mildly skewed class sizes) and power-law expected degrees ``w``."""
     cls_p = (np.arange(c) + 1.0) ** -_CLASS_SKEW
     cls_p /= cls_p.sum()
     label = rng.choice(c, size=n, p=cls_p).astype(np.int64)
@@ -186,10 +150,16 @@ def generate(
             np.minimum(w, cap, out=w)
             w *= avg_degree / w.mean()
         np.minimum(w, cap, out=w)
+    return label, w
 
-    # nodes in class-sorted order; each position gets about STUBS_PER_NODE * w / mean(w)
-    # "stubs" (randomly rounded, so the expectation is exact): a uniform draw over the stub
-    # array picks a node proportionally to its weight in O(1)
+
+def _stub_table(rng, label: np.ndarray, w: np.ndarray, n: int, c: int, avg_degree: float):
+    """(order, lab_pos, stubs, stub_lo, stub_hi, stub_count) over class-sorted positions.
+
+    Nodes in class-sorted order; each position gets about STUBS_PER_NODE * w / mean(w)
+    "stubs" (randomly rounded, so the expectation is exact): a uniform draw over the stub
+    array picks a node proportionally to its weight in O(1).
+    """
     order = np.argsort(label, kind="stable")
     lab_pos = label[order].astype(np.int16 if c < 2**15 else np.int64)  # small: cache-friendly
     wpos = w[order] * (_STUBS_PER_NODE / w.mean()) if avg_degree > 0 else np.zeros(n)
@@ -200,17 +170,15 @@ def generate(
     stub_hi = np.cumsum(stub_count)
     stub_lo = stub_hi - stub_count
     del reps
-    if c > 1 and np.count_nonzero(stub_count) < 2:
-        homophily = 1.0  # a single populated class has no other class to link to
+    return order, lab_pos, stubs, stub_lo, stub_hi, stub_count
 
-    pbar = tqdm(
-        total=m_target,
-        desc="synthetic edge draws",
-        unit="edge",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=not progress,
-    )
+
+def _draw_edge_keys(
+    rng, m_target, stubs, lab_pos, stub_lo, stub_hi, homophily, c, n, progress
+) -> np.ndarray:
+    """``m_target`` distinct sorted edge keys (fewer if the graph cannot hold them)."""
+    pbar = tqdm(total=m_target, desc="synthetic edge draws", unit="edge", unit_scale=True,
+                file=sys.stderr, disable=not progress)
     keys = np.empty(0, dtype=np.int64)
     if m_target > 0:
         want, keep_rate = m_target, 0.98
@@ -241,8 +209,14 @@ def generate(
             keep[drop] = False
             keys = keys[keep]
     pbar.close()
+    return keys
 
-    # positions -> node ids, as interleaved (u -> v), (v -> u) pairs
+
+def _keys_to_edges(keys: np.ndarray, order: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions -> node ids, as ``src`` / ``dst`` with interleaved (u -> v), (v -> u) pairs.
+
+    The caller drops ``keys`` right after this returns (before anything else is allocated).
+    """
     m = int(keys.shape[0])
     src = np.empty(2 * m, dtype=np.int64)
     dst = np.empty(2 * m, dtype=np.int64)
@@ -250,11 +224,12 @@ def generate(
         k = keys[s : s + _CHUNK]
         src[2 * s : 2 * (s + k.shape[0]) : 2] = order[k // n]
         dst[2 * s : 2 * (s + k.shape[0]) : 2] = order[k % n]
-    del keys
-    src[1::2] = dst[0::2]
-    dst[1::2] = src[0::2]
+    return src, dst
 
-    # features: class centroid + noise, unit variance per dimension
+
+def _features(rng, label: np.ndarray, n: int, d: int, c: int, feat_noise: float,
+              progress: bool) -> np.ndarray:
+    """Class centroid + noise, unit variance per dimension, ``float32 [n, d]``."""
     centroids = rng.standard_normal((c, d), dtype=np.float32)
     centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-12)
     centroids *= np.float32(math.sqrt(d))  # unit-norm directions, unit variance per entry
@@ -270,26 +245,68 @@ def generate(
         block += centroids[label[s:e]]
         block *= scale
         feat[s:e] = block
+    return feat
 
+
+def _random_splits(rng, n: int, train_frac: float, valid_frac: float):
+    """(train, valid, test): a random ``train_frac`` / ``valid_frac`` / rest, each sorted."""
     perm = rng.permutation(n)
     n_train = int(round(train_frac * n))
     n_valid = min(n - n_train, int(round(valid_frac * n)))
     train = np.sort(perm[:n_train]).astype(np.int64)
     valid = np.sort(perm[n_train : n_train + n_valid]).astype(np.int64)
     test = np.sort(perm[n_train + n_valid :]).astype(np.int64)
+    return train, valid, test
 
-    return GraphData(
-        name=name or f"synthetic-{n}",
-        num_nodes=n,
-        src=src,
-        dst=dst,
-        feat=feat,
-        label=label,
-        train=train,
-        valid=valid,
-        test=test,
-        num_classes=c,
+
+def generate(
+    num_nodes: int,
+    avg_degree: float = 20,
+    feat_dim: int = 100,
+    num_classes: int = 47,
+    seed: int = 0,
+    homophily: float = 0.8,
+    train_frac: float = 0.6,
+    valid_frac: float = 0.2,
+    feat_noise: float = DEFAULT_FEAT_NOISE,
+    progress: bool = True,
+    *,
+    degree_exponent: float = DEFAULT_DEGREE_EXPONENT,
+    name: str | None = None,
+) -> GraphData:
+    """Generate a synthetic undirected node-classification graph (see the module docstring).
+
+    ``avg_degree`` counts directed edges per node (both directions of an undirected edge),
+    so the graph has ``num_nodes * avg_degree / 2`` undirected edges, stored as
+    ``(u -> v), (v -> u)`` pairs. ``degree_exponent`` is the power-law exponent of the
+    degree distribution (> 2). Splits are a random ``train_frac`` / ``valid_frac`` / rest.
+    Deterministic for given arguments.
+    """
+    _check_args(num_nodes, avg_degree, feat_dim, num_classes, homophily, train_frac,
+                valid_frac, feat_noise, degree_exponent)
+    n, d, c = int(num_nodes), int(feat_dim), int(num_classes)
+    rng = np.random.default_rng(seed)  # one generator: the draw order below is fixed
+    m_target = int(round(n * avg_degree / 2))
+    m_target = min(m_target, n * (n - 1) // 2)
+
+    label, w = _class_and_weights(rng, n, c, avg_degree, degree_exponent)
+    order, lab_pos, stubs, stub_lo, stub_hi, stub_count = _stub_table(
+        rng, label, w, n, c, avg_degree
     )
+    if c > 1 and np.count_nonzero(stub_count) < 2:
+        homophily = 1.0  # a single populated class has no other class to link to
+    keys = _draw_edge_keys(
+        rng, m_target, stubs, lab_pos, stub_lo, stub_hi, homophily, c, n, progress
+    )
+    src, dst = _keys_to_edges(keys, order, n)
+    del keys
+    src[1::2] = dst[0::2]  # odd slots: the reverse of the even ones
+    dst[1::2] = src[0::2]
+    feat = _features(rng, label, n, d, c, feat_noise, progress)
+    train, valid, test = _random_splits(rng, n, train_frac, valid_frac)
+
+    return GraphData(name=name or f"synthetic-{n}", num_nodes=n, src=src, dst=dst, feat=feat,
+                     label=label, train=train, valid=valid, test=test, num_classes=c)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,43 @@
+"""Halo arrays of a part: the other parts' nodes within k in-hops, with their in-edges.
+
+Both helpers work on the sorted edge keys ``new_dst * n + new_src`` of
+:mod:`partition.partitioner` and ``g_indptr``, the CSC row pointer over all nodes
+(``searchsorted(keys, arange(n + 1) * n)``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partition.graph_data import GraphData
+
+__all__ = ["in_neighbours", "halo_arrays"]
+
+
+def in_neighbours(keys: np.ndarray, g_indptr: np.ndarray, n: int,
+                  nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, sources) of the in-edges of ``nodes`` (new ids), from the sorted edge keys."""
+    starts, ends = g_indptr[nodes], g_indptr[nodes + 1]
+    counts = ends - starts
+    indptr = np.zeros(nodes.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    pos = np.repeat(starts - indptr[:-1], counts) + np.arange(indptr[-1], dtype=np.int64)
+    return indptr, np.remainder(keys[pos], n)
+
+
+def halo_arrays(keys: np.ndarray, g_indptr: np.ndarray, n: int, lo: int, hi: int, hops: int,
+                data: GraphData, new_to_orig: np.ndarray) -> dict[str, np.ndarray]:
+    """The halo of part [lo, hi): other parts' nodes within ``hops`` in-hops, with all their
+    in-edges, features and labels."""
+    frontier = np.arange(lo, hi, dtype=np.int64)
+    halo = np.empty(0, dtype=np.int64)
+    for _ in range(hops):
+        _, nbrs = in_neighbours(keys, g_indptr, n, frontier)
+        nbrs = np.unique(nbrs)
+        nbrs = nbrs[(nbrs < lo) | (nbrs >= hi)]
+        frontier = np.setdiff1d(nbrs, halo, assume_unique=True)
+        halo = np.union1d(halo, frontier)
+    indptr, indices = in_neighbours(keys, g_indptr, n, halo)
+    orig = new_to_orig[halo]
+    return {"halo_nodes": halo, "halo_indptr": indptr, "halo_indices": indices,
+            "halo_feat": data.feat[orig], "halo_label": data.label[orig]}
