@@ -11,11 +11,11 @@ import time
 
 import pytest
 import torch
+from rpc_helpers import call
 
 from common.cluster import ClusterSpec
 from common.errors import MfgServeError
-from common.messages import Ping, StatsReply, StatsRequest
-from common.rpc import RpcChannel
+from common.messages import Ping, Pong, StatsReply, StatsRequest
 from partition.layout import PartitionSetMeta
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.server_pool import ServerPool
@@ -116,9 +116,7 @@ def test_no_replica_fails_fast_with_clear_error(how, server_factory, synth_parts
         assert victim_ep in text, text
         assert elapsed < (3.0 if how == "sigkill" else timeout_s + 3), elapsed
         # the healthy server keeps serving
-        ch = RpcChannel(pool.ctx, cluster.partitions[0][0], timeout_s=10, setting="test")
-        assert ch.call(Ping()).part_id == 0
-        ch.close()
+        assert call(cluster.partitions[0][0], Ping(), Pong, ctx=pool.ctx).part_id == 0
     finally:
         pool.close()
         if how == "sigstop":

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from rpc_helpers import channel
 
 from common.cluster import ClusterSpec
 from common.dgl_compat import import_dgl
 from common.messages import MFGReply, Ping, Pong, SampleRequest
 from common.mfg import MFG
-from common.rpc import RpcChannel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -114,16 +114,15 @@ def test_mfg_matches_graph(num_parts, halo, request, server_factory, synth_graph
     ctx = zmq.Context()
     try:
         for p, ep in cluster.all_endpoints():
-            ch = RpcChannel(ctx, ep, timeout_s=30, setting="test")
-            pong = ch.call(Ping())
-            assert isinstance(pong, Pong) and pong.part_id == p
-            for fanouts, seed in (([4, 3], 1), ([-1, 2, 5], 2)):
-                seeds = mixed_seeds(parts, 60, seed + p)
-                reply = ch.call(SampleRequest(seeds=seeds, fanouts=fanouts))
-                assert isinstance(reply, MFGReply)
-                oracle.check(reply, seeds, fanouts)
-                remote[halo] = remote.get(halo, 0) + reply.timings["remote_requests"]
-            ch.close()
+            with channel(ep, ctx=ctx, timeout_s=30) as ch:
+                pong = ch.call(Ping())
+                assert isinstance(pong, Pong) and pong.part_id == p
+                for fanouts, seed in (([4, 3], 1), ([-1, 2, 5], 2)):
+                    seeds = mixed_seeds(parts, 60, seed + p)
+                    reply = ch.call(SampleRequest(seeds=seeds, fanouts=fanouts))
+                    assert isinstance(reply, MFGReply)
+                    oracle.check(reply, seeds, fanouts)
+                    remote[halo] = remote.get(halo, 0) + reply.timings["remote_requests"]
     finally:
         ctx.term()
     if num_parts == 1:
@@ -177,16 +176,15 @@ def test_neighbour_choice_uniform_across_parts(server_factory, synth_graph, synt
     other = 1 - int(owner[v])
     ctx = zmq.Context()
     try:
-        ch = RpcChannel(ctx, cluster.partitions[other][0], timeout_s=30, setting="test")
-        hits: dict[int, int] = {}
-        for _ in range(rounds):
-            reply = ch.call(SampleRequest(seeds=torch.tensor([int(v)]), fanouts=[fanout],
-                                          with_feat=False, with_label=False))
-            picked = reply.mfg.input_nodes[reply.mfg.layers[0].rels[0].indices].tolist()
-            assert len(picked) == fanout
-            for u in picked:
-                hits[u] = hits.get(u, 0) + 1
-        ch.close()
+        with channel(cluster.partitions[other][0], ctx=ctx, timeout_s=30) as ch:
+            hits: dict[int, int] = {}
+            for _ in range(rounds):
+                reply = ch.call(SampleRequest(seeds=torch.tensor([int(v)]), fanouts=[fanout],
+                                              with_feat=False, with_label=False))
+                picked = reply.mfg.input_nodes[reply.mfg.layers[0].rels[0].indices].tolist()
+                assert len(picked) == fanout
+                for u in picked:
+                    hits[u] = hits.get(u, 0) + 1
     finally:
         ctx.term()
     uniq = np.unique(nbrs)
@@ -204,11 +202,10 @@ def test_half_precision_feature_transfer(dtype, server_factory, synth_graph, syn
     oracle = Oracle(synth_graph, synth_parts1)
     ctx = zmq.Context()
     try:
-        ch = RpcChannel(ctx, cluster.partitions[0][0], timeout_s=30, setting="test")
-        seeds = mixed_seeds(synth_parts1, 40, 5)
-        full = ch.call(SampleRequest(seeds=seeds, fanouts=[3, 3]))
-        half = ch.call(SampleRequest(seeds=seeds, fanouts=[3, 3], feat_dtype=dtype))
-        ch.close()
+        with channel(cluster.partitions[0][0], ctx=ctx, timeout_s=30) as ch:
+            seeds = mixed_seeds(synth_parts1, 40, 5)
+            full = ch.call(SampleRequest(seeds=seeds, fanouts=[3, 3]))
+            half = ch.call(SampleRequest(seeds=seeds, fanouts=[3, 3], feat_dtype=dtype))
     finally:
         ctx.term()
     full_rows, half_rows = full.mfg.only.feat.rows, half.mfg.only.feat.rows

@@ -13,10 +13,10 @@ import psutil
 import pytest
 import torch
 import zmq
+from rpc_helpers import channel
 
 from common.cluster import ClusterSpec
 from common.messages import MFGReply, SampleRequest, StatsReply, StatsRequest
-from common.rpc import RpcChannel
 from common.stats import ServerStats
 from tests.test_mfg_oracle import Oracle, mixed_seeds
 
@@ -44,19 +44,18 @@ def test_mfgs_from_sampler_processes_match_graph(server_factory, synth_graph, sy
     assert all(len(_workers(s)) == 2 for s in servers)
     ctx = zmq.Context()
     try:
-        ch = RpcChannel(ctx, cluster.partitions[0][0], timeout_s=60, setting="test")
-        rids = {}
-        for i in range(6):  # several in flight: both processes work
-            seeds = mixed_seeds(synth_parts2, 40, i)
-            rids[ch.send(SampleRequest(seeds=seeds, fanouts=[4, 3]))] = seeds
-        while rids:
-            reply, rid = ch.recv()
-            assert isinstance(reply, MFGReply)
-            oracle.check(reply, rids.pop(rid), [4, 3])
-            want = synth_graph.feat[oracle.n2o[reply.mfg.input_nodes.numpy()]]
-            assert torch.equal(reply.mfg.only.feat.rows, torch.from_numpy(want))
-        stats = ch.call(StatsRequest())
-        ch.close()
+        with channel(cluster.partitions[0][0], ctx=ctx, timeout_s=60) as ch:
+            rids = {}
+            for i in range(6):  # several in flight: both processes work
+                seeds = mixed_seeds(synth_parts2, 40, i)
+                rids[ch.send(SampleRequest(seeds=seeds, fanouts=[4, 3]))] = seeds
+            while rids:
+                reply, rid = ch.recv()
+                assert isinstance(reply, MFGReply)
+                oracle.check(reply, rids.pop(rid), [4, 3])
+                want = synth_graph.feat[oracle.n2o[reply.mfg.input_nodes.numpy()]]
+                assert torch.equal(reply.mfg.only.feat.rows, torch.from_numpy(want))
+            stats = ch.call(StatsRequest())
     finally:
         ctx.term()
     assert isinstance(stats, StatsReply)

@@ -9,11 +9,10 @@ import os
 import numpy as np
 import pytest
 import torch
-import zmq
+from rpc_helpers import call
 
 from common.cluster import ClusterSpec
 from common.messages import MFGReply, SampleRequest
-from common.rpc import RpcChannel
 from common.shm_ring import HEADER_BYTES, ShmRing, ShmWriter, SlotRef
 from tests.test_mfg_oracle import Oracle, mixed_seeds, start_cluster
 from trainer_client.feature_cache import FeatureCache
@@ -116,14 +115,7 @@ def test_abandoned_iteration_returns_slots(pool2, synth_parts2):
 
 
 def _raw_call(ep: str, req: SampleRequest) -> MFGReply:
-    ctx = zmq.Context()
-    try:
-        ch = RpcChannel(ctx, ep, timeout_s=30, setting="test")
-        reply = ch.call(req)
-        ch.close()
-        return reply
-    finally:
-        ctx.term()
+    return call(ep, req, timeout_s=30)
 
 
 def test_server_refuses_what_is_not_a_ring(server_factory, synth_parts1, synth_graph,
