@@ -11,8 +11,8 @@ common/replicas.py). Every request names this server's partition set.
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
-import zmq
 from torch import Tensor
 
 from common.cluster import ClusterSpec
@@ -21,6 +21,9 @@ from common.messages import NeighborsReply, NeighborsRequest, NodeDataReply, Nod
 from common.replicas import ReplicaSet
 from common.rpc import RpcChannel
 from common.sockets import CurveKeys
+
+if TYPE_CHECKING:  # the runtime owns the context; this module only passes it on
+    import zmq
 
 
 class WirePeers:
