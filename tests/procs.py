@@ -49,6 +49,21 @@ def tail(path: Path, n: int = 30) -> str:
         return "<no output>"
 
 
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of every process, each waited for up to ``timeout``; any still
+    running afterwards (a failure or a deadline) is killed and reaped."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return outs
+
+
 def run_cli(module: str, args: list[str], timeout: float, cwd: Path | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python -m module args`` to completion under a timeout."""

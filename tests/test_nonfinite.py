@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import REPO, clean_env, free_ports
+from procs import REPO, clean_env, communicate_all, free_ports
 
 from common.cluster import ClusterSpec
 from common.jsonout import dumps_strict, finite_or_none
@@ -91,15 +91,7 @@ def test_every_trainer_client_rank_stops_on_nan_features(synth_parts1, server_fa
              "3", "--fanouts", "5,5", "--batch-size", "64", "--hidden", "16", "--no-progress",
              "--num-threads", "1"], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    outs = communicate_all(procs, timeout=180)
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 2, f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}"
         assert f"trainer-client (rank {rank}): error:" in err, err[-3000:]
@@ -153,15 +145,7 @@ def test_one_rank_with_a_nan_loss_stops_every_rank_at_the_same_batch(tmp_path):
                               env=clean_env(PYTHONPATH=str(REPO)), stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=100))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    outs = communicate_all(procs, timeout=100)
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 3, f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}"
         assert "epoch 0, batch 2 of 5" in out, out
