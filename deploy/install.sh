@@ -24,8 +24,8 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q "torch==2.13.0"
   fi
 fi
-if ! "$VPY" -c "import common.dgl_compat, zmq, msgpack, ogb, pytest_timeout, hypothesis, mypy, ruff" >/dev/null 2>&1 \
-   || ! "$VENV/bin/worker-mode" --help >/dev/null 2>&1; then
+if ! "$VPY" -c "import common.dgl_compat, zmq, msgpack, ogb, matplotlib, pytest_timeout, hypothesis, mypy, ruff" >/dev/null 2>&1 \
+   || ! "$VENV/bin/worker-mode" --help >/dev/null 2>&1 || [ ! -e "$VENV/bin/mfgserve-plot" ]; then
   echo "install: installing mfgserve and its dependencies into $VENV" >&2
   "$VPY" -m pip install -q -e ".[test]"
 fi
