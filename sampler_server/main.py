@@ -8,7 +8,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 
@@ -16,6 +15,7 @@ from common.cli import run_main
 from common.config import ServerConfig, add_config_args, load_config
 from common.errors import ChildFailedError
 from common.jsonout import dumps_strict
+from common.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
-                        stream=sys.stderr)
     cfg = load_config(ServerConfig, args.config, args)
+    setup_logging(f"server part {cfg.part_id}")
     import torch
 
     from sampler_server.server import SamplerServer  # heavy imports after arg checks

@@ -25,6 +25,7 @@ from typing import NoReturn
 from common.cli import run_main
 from common.config import DDPConfig, TrainerConfig, add_config_args, load_config
 from common.jsonout import dumps_strict
+from common.logs import setup_logging
 from trainer_client.train import DDPSetup, run_trainer, write_summary
 
 PROG = "trainer-client"
@@ -75,9 +76,8 @@ def main(argv: list[str] | None = None,
         defaults = ddp_defaults()
         ddp[0] = defaults
         args = build_parser(defaults).parse_args(argv)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
-                            stream=sys.stderr)
         ddp[0] = load_config(DDPConfig, None, args, base=defaults)
+        setup_logging(f"trainer rank {ddp[0].rank}")
         cfg = load_config(TrainerConfig, args.config, args)
 
         def deliver(summary: dict) -> None:  # before the final barrier: every rank waits
