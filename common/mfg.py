@@ -106,8 +106,10 @@ class Block:
         from common.dgl_compat import import_dgl
 
         dgl = import_dgl()
-        empty = torch.empty(0, dtype=torch.int64, device=self.indices.device)
-        blk = dgl.create_block(("csc", (self.indptr, self.indices, empty)),
+        # Explicit edge ids (CSC order): with none, DGL's CPU backward of an op reading edge
+        # data (GATConv's u_mul_e) fails ("Check notnull: edges" in its libxsmm SpMM).
+        eids = torch.arange(self.num_edges(), device=self.indices.device)
+        blk = dgl.create_block(("csc", (self.indptr, self.indices, eids)),
                                num_src_nodes=self._num_src, num_dst_nodes=self._num_dst)
         for k, v in self.srcdata.items():
             blk.srcdata[k] = v

@@ -1,5 +1,8 @@
 """GraphSAGE in plain torch on :class:`common.mfg.Block` s: runs on CPU and CUDA alike.
 
+(The other models, GCN and GAT, and ``build_model`` are in :mod:`trainer_client.models`;
+they share :func:`mean_aggregate`, :class:`Dropout` and :class:`LayerwiseGNN` from here.)
+
 :class:`SAGEConv` computes exactly what ``dgl.nn.SAGEConv(in, out, "mean")`` computes on the
 same block with the same weights (tested against DGL)::
 
@@ -105,20 +108,53 @@ class Dropout(nn.Dropout):
         return _CpuDropout.apply(x, self.p)
 
 
-class GraphSAGE(nn.Module):
+class LayerwiseGNN(nn.Module):
+    """Layers with ReLU + dropout between them, run one layer at a time.
+
+    ``forward_layer(i, block, h)`` is layer i and the ReLU + dropout after it (none after the
+    last): layer-wise full-neighbour inference calls it per layer over all nodes, training
+    calls :meth:`forward`, which loops over it, so both compute the same function.
+    Subclasses whose layer output is not ``[num_dst, features]`` override :meth:`conv`.
+    """
+
+    def __init__(self, layers: list[nn.Module], dropout: float):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.dropout = Dropout(dropout)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def conv(self, i: int, block: Block, h: Tensor) -> Tensor:
+        return self.layers[i](block, h)
+
+    def forward_layer(self, i: int, block: Block, h: Tensor) -> Tensor:
+        h = self.conv(i, block, h)
+        if i != len(self.layers) - 1:
+            h = self.dropout(F.relu(h))
+        return h
+
+    def forward(self, blocks, x: Tensor) -> Tensor:
+        if len(blocks) != len(self.layers):
+            raise ValueError(f"{type(self).__name__} has {len(self.layers)} layers but got "
+                             f"{len(blocks)} blocks: sample one block per layer (as many "
+                             "fanouts as layers)")
+        h = x
+        for i, block in enumerate(blocks):
+            h = self.forward_layer(i, block, h)
+        return h
+
+
+def layer_dims(in_feats: int, hidden: int, num_classes: int, num_layers: int) -> list[int]:
+    """Input width, then each layer's output width: ``[in, hidden, ..., num_classes]``."""
+    return [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
+
+
+class GraphSAGE(LayerwiseGNN):
     """Layers of mean-SAGEConv with ReLU and dropout between them (the seed tutorial's model)."""
 
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int,
                  dropout: float = 0.5):
-        super().__init__()
-        dims = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
-        self.layers = nn.ModuleList(SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
-        self.dropout = Dropout(dropout)
-
-    def forward(self, blocks, x: Tensor) -> Tensor:
-        h = x
-        for i, (layer, block) in enumerate(zip(self.layers, blocks)):
-            h = layer(block, h)
-            if i != len(self.layers) - 1:
-                h = self.dropout(F.relu(h))
-        return h
+        dims = layer_dims(in_feats, hidden, num_classes, num_layers)
+        super().__init__([SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:])], dropout)

@@ -1,0 +1,206 @@
+"""The model choice: each plain-torch layer equals its dgl.nn counterpart on the same block
+with the same weights (forward and gradients, including destinations without in-edges);
+forward is the loop of forward_layer; build_model validates the spec; models train."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import random_block
+
+from common.dgl_compat import import_dgl
+from common.errors import ConfigError
+from trainer_client.model import GraphSAGE
+from trainer_client.models import (
+    GAT,
+    GCN,
+    MODEL_NAMES,
+    DGLGraphSAGE,
+    GATConv,
+    GraphConv,
+    build_model,
+    check_spec,
+    edge_softmax,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def spec(name: str, **kw) -> dict:
+    s = {"name": name, "in_feats": 8, "hidden": 6, "num_classes": 3, "num_layers": 2,
+         "dropout": 0.5}
+    if name == "gat":
+        s["heads"] = 2
+    s.update(kw)
+    return s
+
+
+def blocks_for(num_layers: int, seed: int) -> list:
+    """Blocks of an MFG: each block's destinations are the next block's sources."""
+    sizes = [60, 25, 10, 4][-(num_layers + 1):]
+    return [random_block(s, d, 5, seed=seed + i)
+            for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
+
+
+def assert_same_forward_and_grads(ours, ref, block, in_feats: int):
+    """Same output and same gradients w.r.t. the input and every (same-named) parameter."""
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(block.num_src_nodes(), in_feats, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    got, want = ours(block, x), ref(block.to_dgl(), x_ref)
+    torch.testing.assert_close(got, want, **TOL)
+    g = torch.randn_like(got)
+    got.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("in_feats,out_feats", [(16, 8), (8, 16), (12, 12)])
+def test_graphconv_equals_dgl(in_feats, out_feats):
+    import_dgl()
+    from dgl.nn import GraphConv as DGLGraphConv
+
+    block = random_block(50, 20, 6, seed=in_feats + out_feats)
+    assert (block.in_degrees() == 0).any(), "want a destination without in-edges"
+    assert (torch.bincount(block.indices, minlength=50) == 0).any(), "and an unused source"
+    ours = GraphConv(in_feats, out_feats)
+    with torch.no_grad():
+        ours.bias.copy_(torch.randn(out_feats))
+    ref = DGLGraphConv(in_feats, out_feats, norm="both", allow_zero_in_degree=True)
+    assert_same_forward_and_grads(ours, ref, block, in_feats)
+
+
+@pytest.mark.parametrize("in_feats,out_feats,heads", [(16, 4, 3), (5, 8, 1)])
+def test_gatconv_equals_dgl(in_feats, out_feats, heads):
+    import_dgl()
+    from dgl.nn import GATConv as DGLGATConv
+
+    block = random_block(50, 20, 6, seed=7 * heads)
+    assert (block.in_degrees() == 0).any(), "want a destination without in-edges"
+    ours = GATConv(in_feats, out_feats, heads)
+    with torch.no_grad():
+        ours.bias.copy_(torch.randn(heads * out_feats))
+    ref = DGLGATConv(in_feats, out_feats, heads, feat_drop=0.0, attn_drop=0.0,
+                     negative_slope=0.2, residual=False, allow_zero_in_degree=True)
+    assert_same_forward_and_grads(ours, ref, block, in_feats)
+
+
+def test_edge_softmax_equals_dgl_and_is_stable():
+    dgl = import_dgl()
+    from dgl.nn.functional import edge_softmax as dgl_edge_softmax
+
+    block = random_block(40, 15, 7, seed=11)
+    e = torch.randn(block.num_edges(), 2) * 30 + 500  # exp() alone would overflow
+    got = edge_softmax(block, e)
+    want = dgl_edge_softmax(block.to_dgl(), e)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **TOL)
+    sums = torch.zeros(15, 2).index_add(0, block.dst_index(), got)
+    has_edges = block.in_degrees() > 0
+    torch.testing.assert_close(sums[has_edges], torch.ones(int(has_edges.sum()), 2))
+    assert isinstance(dgl.__version__, str)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_forward_is_the_loop_of_forward_layer(name, num_layers):
+    model = build_model(spec(name, num_layers=num_layers)).eval()
+    assert model.num_layers == num_layers
+    blocks = blocks_for(num_layers, seed=20)
+    x = torch.randn(blocks[0].num_src_nodes(), 8)
+    h = x
+    for i, block in enumerate(blocks):
+        h = model.forward_layer(i, block, h)
+    out = model(blocks, x)
+    assert out.shape == (blocks[-1].num_dst_nodes(), 3)
+    torch.testing.assert_close(out, h, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="blocks"):
+        model(blocks[:-1] if num_layers > 1 else blocks * 2, x)
+
+
+def test_gat_concatenates_hidden_heads_and_averages_the_last():
+    model = build_model(spec("gat", hidden=5, heads=3, num_layers=2)).eval()
+    assert isinstance(model, GAT)
+    b0, b1 = blocks_for(2, seed=30)
+    x = torch.randn(b0.num_src_nodes(), 8)
+    h = model.forward_layer(0, b0, x)
+    assert h.shape == (b0.num_dst_nodes(), 15)
+    out = model.forward_layer(1, b1, h)
+    torch.testing.assert_close(out, model.layers[1](b1, h).mean(1))
+
+
+def test_dgl_sage_matches_sage_with_the_same_weights():
+    sage = build_model(spec("sage", num_layers=3))
+    dgl_sage = build_model(spec("dgl-sage", num_layers=3))
+    assert isinstance(sage, GraphSAGE) and isinstance(dgl_sage, DGLGraphSAGE)
+    dgl_sage.load_state_dict(sage.state_dict())  # the same state-dict keys
+    sage.eval()
+    dgl_sage.eval()
+    blocks = blocks_for(3, seed=40)
+    x = torch.randn(blocks[0].num_src_nodes(), 8)
+    torch.testing.assert_close(dgl_sage(blocks, x), sage(blocks, x), **TOL)
+    # DGL blocks pass through unchanged
+    torch.testing.assert_close(dgl_sage([b.to_dgl() for b in blocks], x), sage(blocks, x),
+                               **TOL)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_trains_on_a_tiny_block_set(name):
+    """A few Adam steps on fixed blocks and labels lower the loss: backward reaches every
+    parameter through every layer."""
+    torch.manual_seed(0)
+    model = build_model(spec(name, hidden=16, dropout=0.1))
+    blocks = blocks_for(2, seed=50)
+    x = torch.randn(blocks[0].num_src_nodes(), 8)
+    y = torch.randint(0, 3, (blocks[-1].num_dst_nodes(),))
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    losses = []
+    for _ in range(30):
+        loss = torch.nn.functional.cross_entropy(model(blocks, x), y)
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_build_model_kinds_and_spec_normalisation():
+    assert type(build_model(spec("gcn"))) is GCN
+    s = check_spec({**spec("sage"), "dropout": 0})
+    assert s["dropout"] == 0.0 and isinstance(s["dropout"], float)
+    assert check_spec(spec("gat"))["heads"] == 2
+
+
+@pytest.mark.parametrize("bad,pattern", [
+    ({"name": "gin"}, r"'name' must be one of \['sage', 'gcn', 'gat', 'dgl-sage'\]"),
+    ({"hidden": 0}, "'hidden' must be an integer >= 1, got 0"),
+    ({"num_layers": 2.0}, "'num_layers' must be an integer"),
+    ({"in_feats": True}, "'in_feats' must be an integer"),
+    ({"num_classes": None}, "'num_classes' must be an integer"),
+    ({"dropout": 1.0}, r"'dropout' must be a number in \[0, 1\), got 1.0"),
+    ({"dropout": "0.5"}, "'dropout' must be a number"),
+    ({"heads": 0}, "'heads' must be an integer >= 1"),
+    ({"hiden": 16}, r"unknown key\(s\) \['hiden'\]; accepted: \['name'"),
+])
+def test_build_model_rejects_bad_specs(bad, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        build_model({**spec("gat"), **bad})
+
+
+def test_build_model_requires_heads_for_gat_and_a_dict():
+    s = spec("gat")
+    del s["heads"]
+    with pytest.raises(ConfigError, match="'heads' must be an integer >= 1, got None"):
+        build_model(s)
+    s = spec("sage")
+    del s["dropout"]
+    with pytest.raises(ConfigError, match="'dropout'"):
+        build_model(s)
+    with pytest.raises(ConfigError, match="must be a dict"):
+        build_model(["sage"])  # type: ignore[arg-type]

@@ -1,0 +1,196 @@
+"""The choice of models: ``build_model(spec)`` from a plain-dict model spec.
+
+A spec is JSON-able (it is saved in ``config.json``, ``best_model.pt`` and checkpoints, and
+rebuilds the same module for inference)::
+
+    {"name": "sage" | "gcn" | "gat" | "dgl-sage", "in_feats": int, "hidden": int,
+     "num_classes": int, "num_layers": int, "dropout": float, "heads": int (gat only)}
+
+* ``sage``: mean GraphSAGE (:class:`trainer_client.model.GraphSAGE`), plain torch.
+* ``gcn``: :class:`GraphConv` layers, what ``dgl.nn.GraphConv(norm="both")`` computes.
+* ``gat``: :class:`GATConv` layers, what ``dgl.nn.GATConv`` computes (no feature/attention
+  dropout, no residual); ``hidden`` is the width per head, hidden layers concatenate their
+  ``heads`` heads (``hidden * heads`` wide) and the last layer averages them.
+* ``dgl-sage``: ``dgl.nn.SAGEConv("mean")`` layers applied to ``block.to_dgl()``: the path for
+  models written against DGL (CPU, needs DGL); the same state-dict keys as ``sage``.
+
+Every model has ``num_layers``, ``forward_layer(i, block, h)`` and ``forward(blocks, x)``
+(see :class:`trainer_client.model.LayerwiseGNN`). The plain-torch ones run on any device and
+never import DGL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common.errors import ConfigError
+from common.mfg import Block
+from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate
+
+MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")
+MODEL_HELP = ("sage: mean GraphSAGE; gcn: GCN (symmetric normalisation); gat: GAT "
+              "(multi-head attention); dgl-sage: dgl.nn.SAGEConv through Block.to_dgl()")
+_INT_KEYS = ("in_feats", "hidden", "num_classes", "num_layers")
+SPEC_KEYS = ("name",) + _INT_KEYS + ("dropout", "heads")
+
+
+class GraphConv(nn.Module):
+    """``h_v' = sum_{u -> v} h_u W / sqrt(d_out(u) d_in(v)) + b`` with the block's sampled
+    degrees clamped at 1, as ``dgl.nn.GraphConv(in, out, norm="both")`` computes on a block
+    (same parameter names: ``weight`` [in, out], ``bias``). The sum is the block's mean
+    SpMM times the in-degree, so it shares that kernel and its backward."""
+
+    def __init__(self, in_feats: int, out_feats: int):
+        super().__init__()
+        self.in_feats, self.out_feats = in_feats, out_feats
+        self.weight = nn.Parameter(torch.empty(in_feats, out_feats))
+        self.bias = nn.Parameter(torch.zeros(out_feats))
+        nn.init.xavier_uniform_(self.weight)
+
+    def forward(self, block: Block, h_src: Tensor) -> Tensor:
+        out_deg = torch.bincount(block.indices, minlength=block.num_src_nodes())
+        h = h_src * out_deg.clamp(min=1).to(h_src.dtype).rsqrt().unsqueeze(1)
+        project_first = self.in_feats > self.out_feats  # fewer columns along the edges
+        if project_first:
+            h = h @ self.weight
+        h = mean_aggregate(block, h)
+        if not project_first:
+            h = h @ self.weight
+        # mean * d_in / sqrt(d_in) = sum / sqrt(d_in)
+        in_deg = block.in_degrees().clamp(min=1).to(h.dtype)
+        return h * in_deg.sqrt().unsqueeze(1) + self.bias
+
+
+def edge_softmax(block: Block, e: Tensor) -> Tensor:
+    """Softmax of edge scores ``e`` [num_edges, heads] over each destination's in-edges.
+
+    The per-destination max is subtracted first (no overflow); it is a constant for the
+    gradient (softmax does not depend on it), so it is taken from ``e.detach()``."""
+    dst = block.dst_index()
+    shape = (block.num_dst_nodes(),) + tuple(e.shape[1:])
+    index = dst.view((-1,) + (1,) * (e.dim() - 1)).expand_as(e)
+    e_max = e.new_zeros(shape).scatter_reduce_(0, index, e.detach(), "amax",
+                                               include_self=False)
+    ex = torch.exp(e - e_max[dst])
+    denom = e.new_zeros(shape).index_add(0, dst, ex)
+    return ex / denom[dst]
+
+
+class GATConv(nn.Module):
+    """Graph attention as ``dgl.nn.GATConv(in, out, heads)`` computes it with no feature or
+    attention dropout and no residual (same parameter names: ``fc``, ``attn_l``,
+    ``attn_r``, ``bias``). Output ``[num_dst, heads, out]``; a destination without in-edges
+    gets the bias only."""
+
+    def __init__(self, in_feats: int, out_feats: int, num_heads: int,
+                 negative_slope: float = 0.2):
+        super().__init__()
+        self.num_heads, self.out_feats = num_heads, out_feats
+        self.negative_slope = negative_slope
+        self.fc = nn.Linear(in_feats, out_feats * num_heads, bias=False)
+        self.attn_l = nn.Parameter(torch.empty(1, num_heads, out_feats))
+        self.attn_r = nn.Parameter(torch.empty(1, num_heads, out_feats))
+        self.bias = nn.Parameter(torch.zeros(num_heads * out_feats))
+        gain = nn.init.calculate_gain("relu")
+        for p in (self.fc.weight, self.attn_l, self.attn_r):
+            nn.init.xavier_normal_(p, gain=gain)
+
+    def forward(self, block: Block, h_src: Tensor) -> Tensor:
+        feat = self.fc(h_src).view(-1, self.num_heads, self.out_feats)
+        el = (feat * self.attn_l).sum(-1)  # [num_src, heads]
+        er = (feat[:block.num_dst_nodes()] * self.attn_r).sum(-1)
+        src, dst = block.edges()
+        e = F.leaky_relu(el[src] + er[dst], self.negative_slope)
+        a = edge_softmax(block, e)
+        msg = feat[src] * a.unsqueeze(-1)  # [num_edges, heads, out]
+        out = feat.new_zeros((block.num_dst_nodes(), self.num_heads, self.out_feats))
+        out = out.index_add(0, dst, msg)
+        return out + self.bias.view(1, self.num_heads, self.out_feats)
+
+
+class GCN(LayerwiseGNN):
+    def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int,
+                 dropout: float = 0.5):
+        dims = layer_dims(in_feats, hidden, num_classes, num_layers)
+        super().__init__([GraphConv(a, b) for a, b in zip(dims[:-1], dims[1:])], dropout)
+
+
+class GAT(LayerwiseGNN):
+    """GATConv layers: hidden layers concatenate their heads, the last averages them."""
+
+    def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int,
+                 dropout: float = 0.5, heads: int = 4):
+        ins = [in_feats] + [hidden * heads] * (num_layers - 1)
+        outs = [hidden] * (num_layers - 1) + [num_classes]
+        super().__init__([GATConv(a, b, heads) for a, b in zip(ins, outs)], dropout)
+
+    def conv(self, i: int, block: Block, h: Tensor) -> Tensor:
+        out = self.layers[i](block, h)
+        return out.mean(1) if i == len(self.layers) - 1 else out.flatten(1)
+
+
+class DGLGraphSAGE(LayerwiseGNN):
+    """``dgl.nn.SAGEConv("mean")`` layers on ``block.to_dgl()``: how a model written for DGL
+    runs on mfgserve's blocks. Same parameters (and state-dict keys) as :class:`GraphSAGE`."""
+
+    def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int,
+                 dropout: float = 0.5):
+        from common.dgl_compat import DGLUnavailableError, import_dgl
+
+        try:
+            import_dgl()
+        except DGLUnavailableError as e:
+            raise ConfigError(f"model 'dgl-sage' needs DGL, which cannot be imported ({e}); "
+                              "install dgl or choose the plain-torch 'sage'") from e
+        from dgl.nn import SAGEConv
+
+        dims = layer_dims(in_feats, hidden, num_classes, num_layers)
+        super().__init__([SAGEConv(a, b, "mean") for a, b in zip(dims[:-1], dims[1:])],
+                         dropout)
+
+    def conv(self, i: int, block, h: Tensor) -> Tensor:
+        g = block.to_dgl() if isinstance(block, Block) else block  # DGL blocks pass through
+        return self.layers[i](g, (h, h[:g.num_dst_nodes()]))
+
+
+def _check_int(spec: dict, key: str) -> int:
+    v = spec.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"model spec: {key!r} must be an integer >= 1, got {v!r}")
+    return v
+
+
+def check_spec(spec: dict) -> dict:
+    """``spec`` validated and normalised (a new dict); :class:`ConfigError` names the key
+    that is missing, unknown or out of range and what it accepts."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"model spec must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ConfigError(f"model spec: unknown key(s) {unknown}; accepted: {list(SPEC_KEYS)}")
+    name = spec.get("name")
+    if name not in MODEL_NAMES:
+        raise ConfigError(f"model spec: 'name' must be one of {list(MODEL_NAMES)}, "
+                          f"got {name!r}")
+    out: dict = {"name": name}
+    for key in _INT_KEYS:
+        out[key] = _check_int(spec, key)
+    p = spec.get("dropout")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ConfigError(f"model spec: 'dropout' must be a number in [0, 1), got {p!r}")
+    out["dropout"] = float(p)
+    if name == "gat" or "heads" in spec:  # only gat uses it; any spec may carry it
+        out["heads"] = _check_int(spec, "heads")
+    return out
+
+
+def build_model(spec: dict) -> nn.Module:
+    """The model ``spec`` describes (see the module docstring), freshly initialised."""
+    s = check_spec(spec)
+    args = (s["in_feats"], s["hidden"], s["num_classes"], s["num_layers"], s["dropout"])
+    if s["name"] == "gat":
+        return GAT(*args, heads=s["heads"])
+    cls = {"sage": GraphSAGE, "gcn": GCN, "dgl-sage": DGLGraphSAGE}[s["name"]]
+    return cls(*args)
