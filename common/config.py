@@ -13,6 +13,7 @@ inverse, writes a config as a child's command line (every launcher uses it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from common.configtools import Option as Option
@@ -27,6 +28,10 @@ from common.configtools import to_argv as to_argv
 from common.configtools import to_dict as to_dict
 from common.errors import ConfigError
 from common.limits import MAX_FANOUT, MAX_LAYERS
+
+MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")  # trainer_client.models.build_model
+LR_SCHEDULES = ("none", "step", "cosine")
+EVAL_MODES = ("sampled", "full")
 
 
 @dataclass
@@ -151,6 +156,41 @@ class TrainerConfig:
         "cores / trainers so co-located processes do not oversubscribe the CPU)")
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
+    run_dir: str = opt(
+        "", "directory for this run's outputs (config.json, metrics.jsonl, summary.json, "
+        "best_model.pt, checkpoints/); empty: runs/<UTC yyyymmdd-HHMMSS>-<6 hex> under the "
+        "current directory. With --resume and neither --run-dir nor --checkpoint-dir: the "
+        "newest run under ./runs that has a checkpoint")
+    model: str = opt(
+        "sage", "model: sage (GraphSAGE, mean aggregation), gcn, gat (plain torch) or dgl-sage "
+        "(dgl.nn.SAGEConv through Block.to_dgl(); needs dgl)", choices=MODEL_NAMES)
+    gat_heads: int = opt(4, "attention heads per GAT layer (--model gat)")
+    patience: int = opt(
+        0, "early stopping: stop after this many evaluations (every --eval-every epochs) "
+        "without a better validation accuracy; every rank stops at the same epoch. 0: off")
+    lr_schedule: str = opt(
+        "none", "learning-rate schedule, stepped once per epoch: none, step (multiply by "
+        "--lr-gamma every --lr-step-epochs epochs) or cosine (from --lr down to 0 over "
+        "--epochs)", choices=LR_SCHEDULES)
+    lr_step_epochs: int = opt(10, "--lr-schedule step: epochs between learning-rate cuts")
+    lr_gamma: float = opt(0.5, "--lr-schedule step: factor of each learning-rate cut")
+    grad_clip: float = opt(
+        0.0, "clip the gradients (averaged over the ranks) to this global L2 norm before each "
+        "step; 0: off. metrics.jsonl then records the largest norm seen per epoch")
+    eval: str = opt(
+        "sampled", "how validation/test accuracy is measured: sampled (mini-batches with "
+        "--eval-fanouts) or full (layer-wise full-neighbour inference over every node)",
+        choices=EVAL_MODES)
+    checkpoint_dir: str = opt(
+        "", "directory for checkpoints (checkpoints/epoch-NNNNNN.pt, the newest two kept); "
+        "empty: <run dir>/checkpoints")
+    checkpoint_every: int = opt(
+        5, "write a checkpoint every N epochs and after the last (or early-stopped) epoch; "
+        "0: never")
+    resume: bool = opt(
+        False, "continue from the newest checkpoint in the checkpoint directory (same result "
+        "as an uninterrupted run); a checkpoint of another configuration or partition set is "
+        "refused. metrics.jsonl of the run directory is appended to", negatable=False)
     progress: bool = opt(True, "show tqdm progress bars (rank 0, on stderr)")
     summary_out: str = opt("", "also write the JSON summary to this file")
     max_message_mb: int = opt(512, "largest message accepted, in MiB")
@@ -197,6 +237,29 @@ class TrainerConfig:
         if self.shm_ring_mb < 0:
             raise ConfigError(f"--shm-ring-mb must be >= 0, got {self.shm_ring_mb}")
         _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)
+        self._validate_controls()
+
+    def _validate_controls(self) -> None:
+        """The training controls, run directory and checkpoint options."""
+        for name, value, accepted in (("model", self.model, MODEL_NAMES),
+                                      ("lr-schedule", self.lr_schedule, LR_SCHEDULES),
+                                      ("eval", self.eval, EVAL_MODES)):
+            if value not in accepted:
+                raise ConfigError(f"--{name} must be one of {', '.join(accepted)}, "
+                                  f"got {value!r}")
+        for name in ("gat_heads", "lr_step_epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                  f"{getattr(self, name)}")
+        for name in ("patience", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
+                                  f"{getattr(self, name)}")
+        if not 0 < self.lr_gamma <= 1:
+            raise ConfigError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ConfigError(f"--grad-clip must be a finite number >= 0 (0: off), got "
+                              f"{self.grad_clip}")
 
 
 @dataclass

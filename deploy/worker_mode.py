@@ -4,7 +4,10 @@ Steps: resolve the partition set (``--parts``; or partition ``--dataset-dir`` on
 generate the default synthetic graph), start ``servers_per_part`` sampler servers per part on
 ``ipc://`` endpoints in a private run directory, wait until each answers a ping, start the
 trainers (DDP over a free loopback port), wait for them, shut the servers down, and print the
-trainers' JSON summary (plus launcher fields) as the last stdout line.
+trainers' JSON summary (plus launcher fields) as the last stdout line. The trainers' outputs
+(metrics, checkpoints, best model, summary.json) go to the run directory named in that line:
+``--run-dir``, else ``<work_dir>/runs/<UTC stamp>-<hex>`` (with ``--resume``: the newest run
+there with a checkpoint; see trainer_client/run_dir.py).
 
 Owns its process tree: children die with the launcher (PDEATHSIG), any child failing stops
 the whole group with a non-zero exit naming it, SIGINT/SIGTERM shut down within
@@ -49,6 +52,7 @@ from deploy.processes import (
 )
 from deploy.server_group import LaunchError, server_argv, shutdown_servers, wait_ready
 from partition.layout import PartitionFormatError, PartitionSetMeta
+from trainer_client.run_dir import new_run_name, newest_resumable_run, write_json_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,8 +167,29 @@ def wait_trainers(group: ProcessGroup, trainers: list[tuple[Child, Path]],
         time.sleep(poll_s)
 
 
+def with_run_dir(cfg: WorkerModeConfig) -> WorkerModeConfig:
+    """``cfg`` with the trainers' run directory set: ``--run-dir`` if given, else a new
+    ``<work_dir>/runs/<stamp>``; with ``--resume`` (and no --run-dir / --checkpoint-dir) the
+    newest run under ``<work_dir>/runs`` that has a checkpoint."""
+    t = cfg.trainer
+    if t.run_dir or (t.resume and t.checkpoint_dir):
+        return cfg
+    runs = Path(cfg.work_dir) / "runs"
+    if t.resume:
+        found = newest_resumable_run(runs)
+        if found is None:
+            raise ConfigError(f"--resume: no run under {runs} has a checkpoint; name the run to "
+                              "continue with --run-dir DIR")
+        run_dir = str(found)
+    else:
+        run_dir = str(runs / new_run_name())
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, run_dir=run_dir))
+
+
 def run(cfg: WorkerModeConfig) -> dict:
     t0 = time.perf_counter()
+    cfg = with_run_dir(cfg)
+    print(f"worker-mode: run directory {cfg.trainer.run_dir}", file=sys.stderr, flush=True)
     # Trainers and servers share the cores: OpenMP threads that spin while waiting steal
     # them from the other processes. Measured on 2 cores (1M-node graph, 3 runs each):
     # 1,194-1,452 seeds/s spinning, 1,369-1,379 passive. A value the user set is kept.
@@ -213,6 +238,9 @@ def run(cfg: WorkerModeConfig) -> dict:
             "launcher_wall_s": round(time.perf_counter() - t0, 3),
             "teardown": group.escalation,
         })
+        # The run directory's summary.json is the line printed (launcher fields included).
+        write_json_atomic(Path(summary.get("run_dir") or cfg.trainer.run_dir) / "summary.json",
+                          summary)
         return summary
     finally:
         group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))

@@ -8,17 +8,21 @@ trainer wait / decode-to-MFG / host-to-device / forward-backward).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cluster import ClusterSpec
@@ -28,9 +32,27 @@ from common.jsonout import dumps_strict
 from common.messages import FEAT_TRANSFER_DTYPES
 from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import CurveKeys
+from trainer_client.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from trainer_client.checkpoint import (
+    Checkpointer,
+    check_compatible,
+    list_checkpoints,
+    load_bytes,
+    model_state,
+    result_config,
+    save_best_model,
+)
+from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, make_scheduler
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.model import GraphSAGE
+from trainer_client.run_dir import (
+    RunFiles,
+    broadcast_bytes,
+    checkpoint_dir_of,
+    new_run_name,
+    resume_location,
+)
 from trainer_client.server_pool import ServerPool
 
 log = logging.getLogger("mfgserve.trainer")
@@ -68,20 +90,6 @@ def _all_sum(values: list[float], ddp: DDPSetup, device: torch.device) -> list[f
     if ddp.world_size > 1:
         dist.all_reduce(t)
     return t.tolist()
-
-
-@torch.no_grad()
-def evaluate(model, loader: DistNodeDataLoader, ddp: DDPSetup, device, progress: bool,
-             desc: str) -> float:
-    model.eval()
-    correct = total = 0
-    for _, _, mfg in _progress(loader, progress, desc=desc):
-        logits = model(mfg, mfg[0].srcdata["feat"].float())
-        labels = mfg[-1].dstdata["label"]
-        correct += int((logits.argmax(1) == labels).sum())
-        total += labels.numel()
-    c, t = _all_sum([correct, total], ddp, device)
-    return c / max(t, 1.0)
 
 
 class DDPPeerError(MfgServeError):
@@ -208,29 +216,6 @@ def check_finite(loss: float, net, ddp: DDPSetup, epoch: int, batch: int,
     raise NonFiniteLossError(f"{what} {where}; training stopped on every rank. {hint}")
 
 
-def train_epoch(net, opt, loader: DistNodeDataLoader, ddp: DDPSetup, epoch: int,
-                show: bool) -> tuple[float, int, float]:
-    """One epoch; returns (sum of the batches' losses, batches, forward/backward seconds)."""
-    net.train()
-    loader.set_epoch(epoch)
-    loss_sum = compute_s = 0.0
-    batches = 0
-    num_batches = len(loader)
-    for _, _, mfg in _progress(loader, show, desc=f"epoch {epoch}"):
-        t0 = time.perf_counter()
-        logits = net(mfg, mfg[0].srcdata["feat"].float())
-        loss = F.cross_entropy(logits, mfg[-1].dstdata["label"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        value = float(loss.detach())
-        check_finite(value, net, ddp, epoch, batches, num_batches)
-        opt.step()
-        loss_sum += value
-        batches += 1
-        compute_s += time.perf_counter() - t0
-    return loss_sum, batches, compute_s
-
-
 def _finish(summary: dict, ddp: DDPSetup, deliver, done_file: str) -> None:
     """Deliver the result, wait for every rank to have delivered, then mark this rank done."""
     if deliver is not None:
@@ -250,121 +235,469 @@ def _finish(summary: dict, ddp: DDPSetup, deliver, done_file: str) -> None:
 
 
 @dataclass
-class FitResult:
-    history: list
-    best: dict
+class Run:
+    """Everything one trainer's epochs use (built once; resumed state is loaded into it)."""
+
+    cfg: TrainerConfig
+    ddp: DDPSetup
+    device: torch.device
+    info: Any
+    pool: ServerPool
+    spec: dict
+    model: nn.Module
+    net: nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    train_loader: DistNodeDataLoader
+    eval_loaders: dict
+    cache: FeatureCache | None
+    files: RunFiles  # names on every rank; rank 0 writes
+    ckpt: Checkpointer
+    emb: Any = None  # trainer_client.node_embedding.NodeEmbedding when --node-emb-dim > 0
+    show: bool = False
+
+    @property
+    def writer(self) -> bool:
+        return self.ddp.rank == 0
+
+
+@dataclass
+class FitState:
+    """Training progress: what a checkpoint saves and a resumed run continues from."""
+
+    history: list = field(default_factory=list)
+    best: dict = field(default_factory=lambda: {"valid_acc": -1.0, "test_acc": 0.0,
+                                                "epoch": -1})
+    early: EarlyStopping = field(default_factory=lambda: EarlyStopping(0))
+    start_epoch: int = 0
     train_s: float = 0.0
     compute_s: float = 0.0
 
 
-def _fit(cfg: TrainerConfig, ddp: DDPSetup, device, net, model, opt,
-         train_loader: DistNodeDataLoader, eval_loaders: dict, show: bool) -> FitResult:
-    """The epochs: train, evaluate every ``eval_every`` epochs and after the last."""
-    fit = FitResult(history=[], best={"valid_acc": -1.0, "test_acc": 0.0, "epoch": -1})
-    for epoch in range(cfg.epochs):
-        t_epoch = time.perf_counter()
-        loss_sum, batches, step_s = train_epoch(net, opt, train_loader, ddp, epoch, show)
-        fit.compute_s += step_s
-        fit.train_s += time.perf_counter() - t_epoch
-        record = {"epoch": epoch, "loss": loss_sum / max(batches, 1)}
-        last = epoch == cfg.epochs - 1
-        if last or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0):
-            for split, loader in eval_loaders.items():
-                record[f"{split}_acc"] = evaluate(model, loader, ddp, device, show, split)
-            if record.get("valid_acc", 0.0) > fit.best["valid_acc"]:
-                fit.best = {"valid_acc": record.get("valid_acc", 0.0),
-                            "test_acc": record.get("test_acc", 0.0), "epoch": epoch}
-        fit.history.append(record)
-        if ddp.rank == 0:
-            log.info("epoch %s", dumps_strict(record))
+@dataclass
+class EpochResult:
+    loss_sum: float = 0.0
+    batches: int = 0
+    compute_s: float = 0.0
+    grad_norm_max: float = 0.0  # before clipping (--grad-clip only)
+    clipped_steps: int = 0
+
+
+HISTORY_KEYS = ("epoch", "loss", "lr", "valid_acc", "test_acc", "eval")
+
+
+def _inputs(run: Run, mfg) -> Tensor:
+    """The first layer's input rows: features, then the learnable node embedding if any."""
+    x = mfg[0].srcdata["feat"].float()
+    if run.emb is None:
+        return x
+    return torch.cat([x, run.emb.lookup(mfg.input_nodes).to(x.device)], dim=1)
+
+
+@torch.no_grad()
+def evaluate(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
+    """Sampled-MFG accuracy over ``loader``'s seeds (all ranks together)."""
+    run.model.eval()
+    correct = total = 0
+    for _, _, mfg in _progress(loader, run.show, desc=desc):
+        logits = run.model(mfg, _inputs(run, mfg))
+        labels = mfg[-1].dstdata["label"]
+        correct += int((logits.argmax(1) == labels).sum())
+        total += labels.numel()
+    c, t = _all_sum([correct, total], run.ddp, run.device)
+    return c / max(t, 1.0)
+
+
+def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int) -> None:
+    """One mini-batch: forward, backward (DDP averages the gradients), checks, clip, step."""
+    t0 = time.perf_counter()
+    logits = run.net(mfg, _inputs(run, mfg))
+    loss = F.cross_entropy(logits, mfg[-1].dstdata["label"])
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    value = float(loss.detach())
+    check_finite(value, run.net, run.ddp, epoch, res.batches, num_batches)
+    if run.cfg.grad_clip > 0:
+        norm = clip_gradients(run.net, run.cfg.grad_clip)
+        res.grad_norm_max = max(res.grad_norm_max, norm)
+        res.clipped_steps += norm > run.cfg.grad_clip
+    run.opt.step()
+    if run.emb is not None:
+        run.emb.step()
+    res.loss_sum += value
+    res.batches += 1
+    res.compute_s += time.perf_counter() - t0
+
+
+def train_epoch(run: Run, epoch: int) -> EpochResult:
+    """One epoch over this rank's shard of the training seeds."""
+    run.net.train()
+    loader = run.train_loader
+    loader.set_epoch(epoch)
+    res = EpochResult()
+    num_batches = len(loader)
+    for _, _, mfg in _progress(loader, run.show, desc=f"epoch {epoch}"):
+        _step(run, mfg, res, epoch, num_batches)
+    return res
+
+
+def _counters(run: Run, fit: FitState) -> list[float]:
+    """Cumulative counters whose per-epoch deltas metrics.jsonl records (stages last)."""
+    st = run.train_loader.stats
+    cache_rows = run.cache.rows_served if run.cache is not None else 0
+    return [st.seeds, run.pool.bytes_received, cache_rows,
+            *st.stage_seconds(fit.compute_s).values()]
+
+
+def _epoch_totals(run: Run, fit: FitState, before: list[float], epoch_s: float,
+                  res: EpochResult) -> dict:
+    """This epoch's training numbers over all ranks (one collective): loss, throughput,
+    stage seconds, bytes received and cache rows (training batches only)."""
+    delta = [a - b for a, b in zip(_counters(run, fit), before)]
+    sums = _all_sum([res.loss_sum, res.batches, epoch_s, *delta], run.ddp, run.device)
+    loss_sum, batches, epoch_s_sum, seeds, nbytes, cache_rows, *stages = sums
+    mean_s = epoch_s_sum / run.ddp.world_size
+    names = run.train_loader.stats.stage_seconds(0.0)
+    out = {"loss": loss_sum / max(batches, 1.0), "epoch_s": round(mean_s, 4),
+           "seeds_per_s": round(seeds / max(mean_s, 1e-9), 1),
+           "stages_s": {n: round(v, 4) for n, v in zip(names, stages)},
+           "bytes_received": int(nbytes), "cache_rows_from_cache": int(cache_rows)}
+    if run.cfg.grad_clip > 0:  # gradients are all-reduced: the same norms on every rank
+        out.update(grad_norm_max=round(res.grad_norm_max, 6), clipped_steps=res.clipped_steps)
+    return out
+
+
+def _evaluate_epoch(run: Run, fit: FitState, epoch: int, record: dict) -> None:
+    """Validation/test accuracy into ``record``; best model and early-stopping state."""
+    cfg = run.cfg
+    if cfg.eval == "full":
+        record.update(_full_eval(run))
+    else:
+        for split, loader in run.eval_loaders.items():
+            record[f"{split}_acc"] = evaluate(run, loader, split)
+    record["eval"] = cfg.eval
+    valid = record.get("valid_acc", 0.0)
+    improved = valid > fit.best["valid_acc"]
+    if improved:
+        fit.best = {"valid_acc": valid, "test_acc": record.get("test_acc", 0.0), "epoch": epoch}
+        if run.writer:
+            save_best_model(run.files.best_model, run.model, run.spec, epoch, valid,
+                            run.info.set_id, run.info.dataset)
+    if fit.early.update(improved) and epoch < cfg.epochs - 1:
+        log.info("rank %d: early stopping after epoch %d: no better valid_acc in %d "
+                 "evaluations (best %.4f at epoch %d)", run.ddp.rank, epoch, cfg.patience,
+                 fit.best["valid_acc"], fit.best["epoch"])
+
+
+def _full_eval(run: Run) -> dict:
+    """``--eval full``: layer-wise full-neighbour inference (helper C's module)."""
+    raise ConfigError("--eval full needs trainer_client.inference.full_graph_eval, which this "
+                      "build does not have yet; use --eval sampled")
+
+
+def _run_epoch(run: Run, fit: FitState, epoch: int) -> dict:
+    """Train one epoch (torch's RNG reseeded from (seed, epoch, rank): a resumed run draws
+    the same dropout masks), evaluate when due; returns the epoch's metrics record."""
+    cfg = run.cfg
+    torch.manual_seed(epoch_seed(cfg.seed, epoch, run.ddp.rank))
+    before = _counters(run, fit)
+    record: dict = {"epoch": epoch, "time": 0.0, "lr": run.opt.param_groups[0]["lr"]}
+    t0 = time.perf_counter()
+    res = train_epoch(run, epoch)
+    epoch_s = time.perf_counter() - t0
+    fit.train_s += epoch_s
+    fit.compute_s += res.compute_s
+    record.update(_epoch_totals(run, fit, before, epoch_s, res))
+    if epoch == cfg.epochs - 1 or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0):
+        _evaluate_epoch(run, fit, epoch, record)
+    record["time"] = time.time()
+    return record
+
+
+def _fit(run: Run, fit: FitState) -> FitState:
+    """The epochs from ``fit.start_epoch``: train, evaluate, record, schedule, checkpoint;
+    early stopping ends them at the same epoch on every rank."""
+    cfg = run.cfg
+    for epoch in range(fit.start_epoch, cfg.epochs):
+        if fit.early.stopped:
+            break
+        record = _run_epoch(run, fit, epoch)
+        fit.history.append({k: record[k] for k in HISTORY_KEYS if k in record})
+        if run.sched is not None:
+            run.sched.step()
+        if run.writer:
+            run.files.append_metrics(record)
+            log.info("epoch %s", dumps_strict(fit.history[-1]))
+        done = epoch + 1
+        if run.ckpt.due(done, done == cfg.epochs or fit.early.stopped):
+            _save_checkpoint(run, fit, done)
     return fit
 
 
-def _summarize(cfg: TrainerConfig, ddp: DDPSetup, device, t_start: float, info,
-               pool: ServerPool, train_loader: DistNodeDataLoader, cache, ring,
-               fit: FitResult) -> dict:
+def _identity(cfg: TrainerConfig, info, ddp: DDPSetup) -> dict:
+    """What a checkpoint must match to be resumed by this run."""
+    return {"config": result_config(cfg), "set_id": info.set_id, "dataset": info.dataset,
+            "world_size": ddp.world_size}
+
+
+def _save_checkpoint(run: Run, fit: FitState, done: int) -> None:
+    """Write the checkpoint of ``done`` epochs (rank 0). Server-held tensors are read between
+    two barriers: after every rank's last update of the epoch, before anyone's next lookup."""
+    sync = run.emb is not None and run.ddp.world_size > 1
+    if sync:
+        dist.barrier()
+    state = None
+    if run.writer:
+        state = {"format": CHECKPOINT_FORMAT, "epoch": done, "model": model_state(run.model),
+                 "optimizer": run.opt.state_dict(),
+                 "scheduler": run.sched.state_dict() if run.sched is not None else {},
+                 "rng": {"torch": torch.get_rng_state()}, **_identity(run.cfg, run.info, run.ddp),
+                 "run_dir": str(run.files.dir), "best": dict(fit.best),
+                 "history": list(fit.history), "early_stop": fit.early.state(),
+                 "node_tensors": ({"node_emb": run.emb.state_dict()}
+                                  if run.emb is not None else {})}
+    path = run.ckpt.save(state or {}, done)
+    if run.writer:
+        log.info("checkpoint %s", path)
+    if sync:
+        dist.barrier()
+
+
+def _resolve_plan(cfg: TrainerConfig) -> dict:
+    """Rank 0: the run directory and, with --resume, the checkpoint to continue from."""
+    if not cfg.resume:
+        run_dir = cfg.run_dir or str(Path("runs") / new_run_name())
+        return {"run_dir": run_dir, "checkpoint_dir": str(checkpoint_dir_of(
+            run_dir, cfg.checkpoint_dir))}
+    ckdir = resume_location(cfg.run_dir, cfg.checkpoint_dir)
+    if ckdir is None:
+        return {"error": "--resume: no run under ./runs has a checkpoint; name the run to "
+                         "continue with --run-dir DIR (or its checkpoints with "
+                         "--checkpoint-dir DIR)"}
+    found = list_checkpoints(ckdir)
+    if not found:
+        return {"error": f"--resume: no checkpoint (epoch-*.pt) in {ckdir}; check --run-dir / "
+                         "--checkpoint-dir, or start the run without --resume"}
+    # Found by --run-dir or the ./runs search: the run is the checkpoints' parent; by
+    # --checkpoint-dir alone: the run directory recorded in the checkpoint.
+    run_dir = cfg.run_dir or ("" if cfg.checkpoint_dir else str(ckdir.parent))
+    return {"run_dir": run_dir, "checkpoint_dir": str(ckdir), "checkpoint": str(found[-1])}
+
+
+def _plan_run(cfg: TrainerConfig, ddp: DDPSetup, device, info) -> tuple[dict, dict | None]:
+    """Rank 0 decides the run directory and reads the checkpoint to resume; every rank gets
+    both (bytes broadcast: other hosts need no shared filesystem) and checks the checkpoint
+    against its own configuration and partition set."""
+    plan, data = {}, None
+    if ddp.rank == 0:
+        plan = _resolve_plan(cfg)
+        try:
+            data = Path(plan["checkpoint"]).read_bytes() if "checkpoint" in plan else None
+        except OSError as e:
+            plan = {"error": f"--resume: cannot read {plan['checkpoint']}: {e}"}
+    plan = json.loads(broadcast_bytes(json.dumps(plan).encode(), ddp.rank, ddp.world_size,
+                                      device))
+    if "error" in plan:
+        raise ConfigError(plan["error"])
+    if "checkpoint" not in plan:
+        return plan, None
+    ckpt = load_bytes(broadcast_bytes(data, ddp.rank, ddp.world_size, device),
+                      plan["checkpoint"])
+    check_compatible(ckpt, _identity(cfg, info, ddp), plan["checkpoint"])
+    plan["run_dir"] = plan["run_dir"] or str(ckpt.get("run_dir") or "")
+    if not plan["run_dir"]:
+        raise ConfigError(f"checkpoint {plan['checkpoint']} names no run directory; pass "
+                          "--run-dir DIR")
+    return plan, ckpt
+
+
+def _model_spec(cfg: TrainerConfig, info) -> dict:
+    spec = {"name": cfg.model, "in_feats": info.feat_dim + _emb_dim(cfg), "hidden": cfg.hidden,
+            "num_classes": info.num_classes, "num_layers": len(cfg.fanouts),
+            "dropout": cfg.dropout}
+    if cfg.model == "gat":
+        spec["heads"] = cfg.gat_heads
+    return spec
+
+
+def _emb_dim(cfg: TrainerConfig) -> int:
+    return int(getattr(cfg, "node_emb_dim", 0))  # INTEGRATE(H): cfg.node_emb_dim once added
+
+
+def build_model(spec: dict) -> nn.Module:
+    """INTEGRATE(B): trainer_client.models.build_model(spec) once it exists."""
+    if spec["name"] != "sage":
+        raise ConfigError(f"--model {spec['name']} needs trainer_client.models, which this "
+                          "build does not have yet; use --model sage")
+    return GraphSAGE(spec["in_feats"], spec["hidden"], spec["num_classes"],
+                     spec["num_layers"], spec["dropout"])
+
+
+def _make_cache(cfg: TrainerConfig, pool: ServerPool, info, device) -> FeatureCache | None:
+    if cfg.cache_ratio <= 0:
+        return None
+    cache = FeatureCache.fill(pool, info.num_parts, info.num_nodes, cfg.cache_ratio,
+                              cfg.feat_transfer, device)
+    log.info("feature cache: %d nodes, %.1f MB on %s", cache.num_cached, cache.nbytes / 1e6,
+             device)
+    return cache
+
+
+def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, cache,
+                  ring) -> tuple[DistNodeDataLoader, dict]:
+    """The training loader and the valid/test loaders (splits too small for every rank to get
+    a seed are not evaluated)."""
+    splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
+    # INTEGRATE(S): add deterministic=cfg.deterministic_sampling once the loader takes it.
+    common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
+                  max_inflight=cfg.max_inflight, device=device,
+                  feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
+                  ring=ring)
+    train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
+                               batch_size=cfg.batch_size, shuffle=True, **common)
+    eval_fanouts = cfg.eval_fanouts or cfg.fanouts
+    evals = {s: DistNodeDataLoader(pool, splits[s], info.node_offsets, fanouts=eval_fanouts,
+                                   batch_size=cfg.eval_batch_size, shuffle=False, **common)
+             for s in ("valid", "test") if splits[s].numel() >= ddp.world_size}
+    return train, evals
+
+
+def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info):
+    """The server-held learnable node embedding (``--node-emb-dim``), or None."""
+    if _emb_dim(cfg) <= 0:
+        return None
+    raise ConfigError("--node-emb-dim needs trainer_client.node_embedding (not in this build)")
+
+
+def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, plan: dict,
+               ring) -> Run:
+    spec = _model_spec(cfg, info)
+    model = build_model(spec).to(device)
+    net = DDP(model) if ddp.world_size > 1 else model
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    cache = _make_cache(cfg, pool, info, device)
+    train, evals = _make_loaders(cfg, ddp, device, pool, info, cache, ring)
+    files = RunFiles(plan["run_dir"])
+    return Run(cfg=cfg, ddp=ddp, device=device, info=info, pool=pool, spec=spec, model=model,
+               net=net, opt=opt, sched=make_scheduler(opt, cfg), train_loader=train,
+               eval_loaders=evals, cache=cache, files=files,
+               ckpt=Checkpointer(plan["checkpoint_dir"], cfg.checkpoint_every, ddp.rank == 0),
+               emb=_make_embedding(cfg, pool, info), show=cfg.progress and ddp.rank == 0)
+
+
+def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
+    """A fresh FitState, or the checkpoint's state loaded into the run; rank 0 prepares the
+    run directory (config.json; on resume, metrics.jsonl cut back to the checkpoint)."""
+    fit = FitState(early=EarlyStopping(run.cfg.patience))
+    if ckpt is not None:
+        run.model.load_state_dict(ckpt["model"])
+        run.opt.load_state_dict(ckpt["optimizer"])
+        if run.sched is not None:
+            run.sched.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        fit.history, fit.best = list(ckpt["history"]), dict(ckpt["best"])
+        fit.early.load(ckpt["early_stop"])
+        fit.start_epoch = int(ckpt["epoch"])
+        run.ckpt.kept = [plan["checkpoint"]]
+        if run.emb is not None:
+            if run.writer:
+                run.emb.load_state_dict(ckpt["node_tensors"]["node_emb"])
+            if run.ddp.world_size > 1:
+                dist.barrier()  # the servers hold the saved rows before anyone looks up
+    if run.writer:
+        run.files.create()
+        run.files.write_config({"trainer": to_dict(run.cfg), "dataset": run.info.dataset,
+                                "set_id": run.info.set_id, "world_size": run.ddp.world_size,
+                                "model_spec": run.spec})
+        if ckpt is not None:
+            run.files.truncate_metrics(fit.start_epoch - 1)
+            log.info("resuming from %s after epoch %d", plan["checkpoint"], fit.start_epoch)
+        log.info("run directory: %s", run.files.dir)
+    return fit
+
+
+def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | None) -> dict:
     """The run's summary (collectives: every rank calls it)."""
-    st = train_loader.stats
-    totals = _all_sum([st.seeds, fit.train_s], ddp, device)
-    seeds_total, train_s_sum = totals
+    cfg, ddp, device, pool, st = run.cfg, run.ddp, run.device, run.pool, run.train_loader.stats
+    seeds_total, train_s_sum = _all_sum([st.seeds, fit.train_s], ddp, device)
     mean_train_s = train_s_sum / ddp.world_size
     local = st.stage_seconds(fit.compute_s)
     stages = {name: round(v, 4)
               for name, v in zip(local, _all_sum(list(local.values()), ddp, device))}
     remote_requests, remote_bytes = _all_sum(
         [st.server.remote_requests, st.server.remote_bytes], ddp, device)
+    emb_bytes = run.emb.nbytes_per_server() if run.emb is not None else None
     pool.close()
     bytes_rx = _all_sum([pool.bytes_received], ddp, device)[0]
-    summary = {
+    epochs_done = fit.history[-1]["epoch"] + 1 if fit.history else 0
+    return {
         "test_acc": round(fit.best["test_acc"], 4),
         "valid_acc": round(fit.best["valid_acc"], 4),
         "best_epoch": fit.best["epoch"],
         "epochs": cfg.epochs,
+        "epochs_done": epochs_done,
+        "stopped_early": fit.early.stopped and epochs_done < cfg.epochs,
+        "resumed_from": resumed,
         "seeds_per_s": round(seeds_total / max(mean_train_s, 1e-9), 1),
         "train_s": round(mean_train_s, 3),
         "wall_s": round(time.perf_counter() - t_start, 3),
         "num_trainers": ddp.world_size,
-        "num_parts": info.num_parts,
-        "dataset": info.dataset,
-        "batches_per_epoch_per_trainer": len(train_loader),
+        "num_parts": run.info.num_parts,
+        "dataset": run.info.dataset,
+        "model": cfg.model,
+        "batches_per_epoch_per_trainer": len(run.train_loader),
         "bytes_received": int(bytes_rx),
         "server_to_server_requests": int(remote_requests),
         "server_to_server_bytes": int(remote_bytes),
         "failovers": pool.failovers,
-        "cache": ({"ratio": cfg.cache_ratio, "nodes": cache.num_cached,
-                   "rows_from_cache": int(_all_sum([cache.rows_served], ddp, device)[0]),
-                   "bytes_saved": int(_all_sum([cache.bytes_saved], ddp, device)[0])}
-                  if cache is not None else None),
+        "cache": _cache_summary(run),
         "device": str(device),
         "stages_s": stages,
-        "shm_ring": ({"slots": ring.num_slots, "slot_mb": round(ring.slot_bytes / 2**20, 1),
-                      "pinned": ring.pinned, "used": st.ring_hits > 0,
-                      "servers_without_ring": sorted(train_loader.no_ring),
-                      "replies_in_ring": st.ring_hits, "requests_without_slot":
-                      st.ring_misses} if ring is not None else None),
+        "shm_ring": _ring_summary(run, ring),
+        "node_embedding": ({"dim": _emb_dim(cfg), "bytes_per_server": emb_bytes}
+                           if emb_bytes is not None else None),
         "final_loss": round(fit.history[-1]["loss"], 4) if fit.history else None,
         "config": {k: v for k, v in to_dict(cfg).items()
-                   if k in ("fanouts", "batch_size", "hidden", "lr", "dropout")},
+                   if k in ("fanouts", "batch_size", "hidden", "lr", "dropout", "model")},
+        "run_dir": str(run.files.dir),
+        "files": run.files.files(run.ckpt.kept, fit.best["epoch"] >= 0),
     }
-    return summary
+
+
+def _cache_summary(run: Run) -> dict | None:
+    cache = run.cache
+    if cache is None:
+        return None
+    return {"ratio": run.cfg.cache_ratio, "nodes": cache.num_cached,
+            "rows_from_cache": int(_all_sum([cache.rows_served], run.ddp, run.device)[0]),
+            "bytes_saved": int(_all_sum([cache.bytes_saved], run.ddp, run.device)[0])}
+
+
+def _ring_summary(run: Run, ring) -> dict | None:
+    if ring is None:
+        return None
+    st = run.train_loader.stats
+    return {"slots": ring.num_slots, "slot_mb": round(ring.slot_bytes / 2**20, 1),
+            "pinned": ring.pinned, "used": st.ring_hits > 0,
+            "servers_without_ring": sorted(run.train_loader.no_ring),
+            "replies_in_ring": st.ring_hits, "requests_without_slot": st.ring_misses}
 
 
 def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> dict:
     t_start = time.perf_counter()
     device = _init_ddp(cfg, ddp)
-    show = cfg.progress and ddp.rank == 0
     ring = pool = None
     try:
         pool = _make_pool(cfg)
         info = pool.info()
-        splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
-        model = GraphSAGE(info.feat_dim, cfg.hidden, info.num_classes, len(cfg.fanouts),
-                          cfg.dropout).to(device)
-        net = DDP(model) if ddp.world_size > 1 else model
-        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        cache = None
-        if cfg.cache_ratio > 0:
-            cache = FeatureCache.fill(pool, info.num_parts, info.num_nodes, cfg.cache_ratio,
-                                      cfg.feat_transfer, device)
-            log.info("feature cache: %d nodes, %.1f MB on %s", cache.num_cached,
-                     cache.nbytes / 1e6, device)
+        plan, ckpt = _plan_run(cfg, ddp, device, info)
         ring = make_ring(cfg, info, device)
-        common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
-                      max_inflight=cfg.max_inflight, device=device,
-                      feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
-                      ring=ring)
-        train_loader = DistNodeDataLoader(pool, splits["train"], info.node_offsets,
-                                          fanouts=cfg.fanouts, batch_size=cfg.batch_size,
-                                          shuffle=True, **common)
-        eval_fanouts = cfg.eval_fanouts or cfg.fanouts
-        eval_loaders = {s: DistNodeDataLoader(pool, splits[s], info.node_offsets,
-                                              fanouts=eval_fanouts,
-                                              batch_size=cfg.eval_batch_size,
-                                              shuffle=False, **common)
-                        for s in ("valid", "test") if splits[s].numel() >= ddp.world_size}
-        fit = _fit(cfg, ddp, device, net, model, opt, train_loader, eval_loaders, show)
-        summary = _summarize(cfg, ddp, device, t_start, info, pool, train_loader, cache, ring,
-                             fit)
+        run = _build_run(cfg, ddp, device, pool, info, plan, ring)
+        fit = _fit(run, _start(run, plan, ckpt))
+        del ckpt
+        summary = _summarize(run, t_start, ring, fit, plan.get("checkpoint"))
+        if run.writer:
+            run.files.write_summary(summary)
         _finish(summary, ddp, deliver, done_file)
         return summary
     finally:
