@@ -4,6 +4,10 @@ forward is the loop of forward_layer; build_model validates the spec; models tra
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_model import random_block
@@ -26,6 +30,7 @@ from trainer_client.models import (
 pytestmark = pytest.mark.timeout(120)
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+REPO = Path(__file__).resolve().parents[1]
 
 
 def spec(name: str, **kw) -> dict:
@@ -204,3 +209,34 @@ def test_build_model_requires_heads_for_gat_and_a_dict():
         build_model(s)
     with pytest.raises(ConfigError, match="must be a dict"):
         build_model(["sage"])  # type: ignore[arg-type]
+
+
+def test_plain_torch_models_never_import_dgl():
+    """sage, gcn and gat build, run and train without DGL (a fresh interpreter, so nothing
+    imported by other tests counts)."""
+    code = (
+        "import sys, torch\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_model import random_block\n"
+        "from trainer_client.models import build_model\n"
+        "b0, b1 = random_block(30, 10, 4, seed=1), random_block(10, 4, 4, seed=2)\n"
+        "for name in ('sage', 'gcn', 'gat'):\n"
+        "    m = build_model({'name': name, 'in_feats': 5, 'hidden': 4, 'num_classes': 3,\n"
+        "                     'num_layers': 2, 'dropout': 0.5, 'heads': 2})\n"
+        "    m([b0, b1], torch.randn(30, 5)).sum().backward()\n"
+        "assert not [m for m in sys.modules if m == 'dgl' or m.startswith('dgl.')]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["sage", "gcn", "gat"])
+def test_plain_torch_models_give_the_same_result_on_cuda(name):
+    model = build_model(spec(name, num_layers=3)).eval()
+    blocks = blocks_for(3, seed=60)
+    x = torch.randn(blocks[0].num_src_nodes(), 8)
+    want = model(blocks, x)
+    got = model.to("cuda")([b.to("cuda") for b in blocks], x.to("cuda"))
+    torch.testing.assert_close(got.cpu(), want, **TOL)
