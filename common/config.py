@@ -400,3 +400,17 @@ def _check_endpoint(ep: str, flag: str) -> None:
         raise ConfigError(
             f"{flag} {ep!r} is not a ZeroMQ endpoint; use tcp://HOST:PORT or ipc:///path"
         )
+
+
+@dataclass
+class PlotConfig:
+    """mfgserve-plot RUN_DIR: PNG charts (loss, accuracy, throughput, stage times) of one
+    training run, drawn from RUN_DIR/metrics.jsonl."""
+
+    out: str = opt("", "directory to write the PNG files into (created if missing); empty: "
+                   "RUN_DIR/plots", metavar="DIR")
+    dpi: int = opt(100, "resolution of the PNG files in dots per inch (30-600)")
+
+    def validate(self) -> None:
+        if not 30 <= self.dpi <= 600:
+            raise ConfigError(f"--dpi must be in 30..600, got {self.dpi}")
