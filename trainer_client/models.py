@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.config import MODEL_NAMES  # the --model choices; one list for both
 from common.errors import ConfigError
 from common.mfg import Block
 from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate
 
-MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")
-MODEL_HELP = ("sage: mean GraphSAGE; gcn: GCN (symmetric normalisation); gat: GAT "
-              "(multi-head attention); dgl-sage: dgl.nn.SAGEConv through Block.to_dgl()")
+__all__ = ["MODEL_NAMES", "build_model", "check_spec", "GraphConv", "GATConv", "GCN", "GAT",
+           "DGLGraphSAGE", "edge_softmax"]
 _INT_KEYS = ("in_feats", "hidden", "num_classes", "num_layers")
 SPEC_KEYS = ("name",) + _INT_KEYS + ("dropout", "heads")
 
