@@ -150,6 +150,11 @@ class TrainerConfig:
         0, "size of that ring in MiB (max-inflight + 2 slots); 0 sizes each slot for the "
         "largest possible batch (input-node bound from batch size and fanouts), capped at "
         "4096 MiB in all. A batch too large for its slot goes on the wire")
+    deterministic_sampling: bool = opt(
+        True, "send every batch a sample seed derived from (seed, epoch, rank, batch), so the "
+        "servers sample the same MFGs in every run with the same seed (needed for --resume to "
+        "match an uninterrupted run); off: each server's own random stream (DGL's sampler, "
+        "slightly faster)")
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda")
     num_threads: int = opt(
         0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,6 +50,20 @@ def _check_fanouts(fanouts: list[int]) -> None:
 
 
 _check_set_id = check_set_id
+MAX_SAMPLE_SEED = 2**63 - 1
+
+
+def derive_seed(*keys: int) -> int:
+    """A seed in [0, 2**63) mixed from integer ``keys`` (each taken modulo 2**64) with numpy's
+    SeedSequence: the per-batch sample seed a trainer sends (seed, epoch, rank, batch) and the
+    per-hop, per-part seeds a server derives from it (sampler_server/seeded_sampler.py)."""
+    state = np.random.SeedSequence([k % 2**64 for k in keys]).generate_state(1, np.uint64)
+    return int(state[0]) >> 1
+
+
+def _check_sample_seed(seed: int, name: str) -> None:
+    _need(-1 <= seed <= MAX_SAMPLE_SEED, "bad_field",
+          f"{name} must be -1 (unseeded) or in [0, 2**63), got {seed}")
 
 
 @dataclass
@@ -96,9 +111,13 @@ class SampleRequest(Message):
     # into, for a server on the same host; None: features on the wire.
     slot: SlotRef | None = None
     set_id: str = ""  # the partition set the sender expects; "" = not checked
+    # >= 0: the MFG is a function of (partition set, seeds, fanouts, sample_seed), the same
+    # from every sampler thread, process and replica; -1: the server's own random stream.
+    sample_seed: int = -1
 
     def check(self) -> None:
         _check_set_id(self.set_id)
+        _check_sample_seed(self.sample_seed, "sample_seed")
         _check_ids(self.seeds, "seeds")
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
         _check_unique(self.seeds, "seeds")
@@ -121,15 +140,18 @@ class MFGReply(Message):
 
 @dataclass
 class NeighborsRequest(Message):
-    """Sample up to ``fanout`` in-neighbours of each of ``nodes`` (all owned by the receiver)."""
+    """Sample up to ``fanout`` in-neighbours of each of ``nodes`` (all owned by the receiver);
+    ``seed`` >= 0 makes the sample a function of (nodes, fanout, seed), -1 is unseeded."""
 
     TYPE = MsgType.NEIGHBORS_REQ
     nodes: Tensor
     fanout: int
     set_id: str = ""
+    seed: int = -1
 
     def check(self) -> None:
         _check_set_id(self.set_id)
+        _check_sample_seed(self.seed, "seed")
         _check_ids(self.nodes, "nodes")
         _check_unique(self.nodes, "nodes")
         _check_fanouts([self.fanout])

@@ -5,6 +5,11 @@ partition: owned nodes go to the local :class:`PartitionStore`, the rest to a :c
 object (implemented over the wire by the server process). :func:`sample_mfg` builds the MFG
 hop by hop from the seeds outwards, so a trainer gets the same MFG it would get from one server
 holding the whole graph.
+
+With a sample seed (>= 0) every hop and every part gets its own seed,
+``derive_seed(sample_seed, hop, part)``: the part's own store samples with it, and a
+NeighborsRequest to another part's server carries it, so the MFG is the same whichever
+thread, process or replica serves the request (sampler_server/seeded_sampler.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import Tensor
 
 from common.errors import BadRequestError
+from common.messages import derive_seed
 from common.sampled_mfg import Layer, SampledMFG
 from sampler_server.partition_store import PartitionStore, merge_neighbors
 
@@ -25,7 +31,8 @@ from sampler_server.partition_store import PartitionStore, merge_neighbors
 class Peers(Protocol):
     """Requests to the servers of other partitions; each call sends all, then waits for all."""
 
-    def sample_neighbors(self, requests: dict[int, Tensor], fanout: int
+    def sample_neighbors(self, requests: dict[int, Tensor], fanout: int,
+                         seeds: dict[int, int] | None = None
                          ) -> dict[int, tuple[Tensor, Tensor]]: ...
 
     def gather(self, requests: dict[int, Tensor], with_feat: bool, with_label: bool
@@ -110,21 +117,27 @@ class DistributedNeighbors:
                 "start it with --cluster")
         return remote
 
-    def sample(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
-        """(counts, src) for unique ``nodes`` of any part, in the order of ``nodes``."""
+    def sample(self, nodes: Tensor, fanout: int, sample_seed: int = -1, hop: int = 0
+               ) -> tuple[Tensor, Tensor]:
+        """(counts, src) for unique ``nodes`` of any part, in the order of ``nodes``; with
+        ``sample_seed`` >= 0 a function of (nodes, fanout, sample_seed, hop)."""
         groups = self._split(nodes)
         remote = self._remote(groups, nodes)
+        seeds = {p: derive_seed(sample_seed, hop, p) if sample_seed >= 0 else -1
+                 for p in groups}
         results: dict[int, tuple[Tensor, Tensor]] = {}
         if remote:
             t0 = time.perf_counter()
-            results.update(self.peers.sample_neighbors(remote, fanout))  # type: ignore[union-attr]
+            results.update(self.peers.sample_neighbors(  # type: ignore[union-attr]
+                remote, fanout, seeds))
             self.timings.remote_s += time.perf_counter() - t0
             self.timings.remote_requests += len(remote)
         own = groups.get(self.store.part_id)
         if own is not None:
             t0 = time.perf_counter()
             results[self.store.part_id] = self.store.sample_neighbors(
-                nodes if len(groups) == 1 else nodes.index_select(0, own), fanout)
+                nodes if len(groups) == 1 else nodes.index_select(0, own), fanout,
+                seeds[self.store.part_id])
             self.timings.sample_s += time.perf_counter() - t0
         if len(groups) == 1:
             return results[next(iter(groups))]
@@ -171,13 +184,15 @@ class DistributedNeighbors:
         return res
 
 
-def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbors) -> SampledMFG:
+def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbors,
+               sample_seed: int = -1) -> SampledMFG:
     """Sample an MFG for unique ``seeds`` (``fanouts[0]`` is the input layer's fanout), without
-    features or labels yet (:meth:`SampledMFG.with_data` adds them)."""
+    features or labels yet (:meth:`SampledMFG.with_data` adds them); reproducibly when
+    ``sample_seed`` >= 0 (hop 0 samples the seeds' neighbours)."""
     nodes = seeds
     layers = []
-    for fanout in reversed(fanouts):
-        counts, src = neighbors.sample(nodes, fanout)
+    for hop, fanout in enumerate(reversed(fanouts)):
+        counts, src = neighbors.sample(nodes, fanout, sample_seed, hop)
         t0 = time.perf_counter()
         all_nodes, src_local = relabel(nodes, src, neighbors.scratch)
         indptr = torch.zeros(nodes.numel() + 1, dtype=torch.int64)

@@ -1,7 +1,8 @@
 """One partition in memory: its topology as a DGL sampling graph, its features and labels.
 
 Local operations only (no networking): sample in-neighbours of owned nodes with DGL's C++
-sampler, and gather owned nodes' features/labels. Arrays come from the partition set's
+sampler (or, for a request with a sample seed, reproducibly: sampler_server/seeded_sampler.py),
+and gather owned nodes' features/labels. Arrays come from the partition set's
 memory-mapped ``.npy`` files, so several processes on a node share the page cache.
 """
 
@@ -15,7 +16,9 @@ from torch import Tensor
 
 from common.dgl_compat import import_dgl
 from common.errors import BadRequestError
+from common.messages import derive_seed
 from partition.layout import Partition, load_partition
+from sampler_server.seeded_sampler import sample_csc
 
 
 def _as_tensor(a: np.ndarray) -> Tensor:
@@ -73,6 +76,8 @@ class PartitionStore:
         )
         self._indptr = getattr(self, "_indptr", {})
         self._indptr[id(graph)] = _as_tensor(indptr)
+        self._csc = getattr(self, "_csc", {})
+        self._csc[id(graph)] = (indptr, indices)  # the seeded sampler reads these
         return graph
 
     def all_owned(self, gids: Tensor) -> bool:
@@ -114,9 +119,12 @@ class PartitionStore:
         halo_pos = torch.nonzero(halo).flatten()
         return own_pos, gids[own_pos] - self.start, halo_pos, hpos[halo_pos]
 
-    def _sample(self, graph, local: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
+    def _sample(self, graph, local: Tensor, fanout: int, seed: int = -1
+                ) -> tuple[Tensor, Tensor]:
         if local.numel() == 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        if seed >= 0:
+            return sample_csc(*self._csc[id(graph)], local, fanout, seed)
         sg = self.dgl.sampling.sample_neighbors(graph, {"dst": local}, fanout)
         src, dst = sg.edges()
         # DGL returns each node's edges together, in the order of ``local``, and exactly
@@ -137,21 +145,25 @@ class PartitionStore:
         deg = indptr.index_select(0, local + 1) - indptr.index_select(0, local)
         return deg if fanout == -1 else deg.clamp(max=fanout)
 
-    def sample_neighbors(self, nodes: Tensor, fanout: int) -> tuple[Tensor, Tensor]:
+    def sample_neighbors(self, nodes: Tensor, fanout: int, seed: int = -1
+                         ) -> tuple[Tensor, Tensor]:
         """Uniformly sample up to ``fanout`` in-neighbours (without replacement; -1: all) of
         each node in ``nodes`` (unique global ids, each owned or in the halo).
 
         Returns ``(counts, src)``: ``counts[i]`` = min(in-degree, fanout) and the sampled
         sources (global ids) of ``nodes[i]`` concatenated in the order of ``nodes``.
+        ``seed`` >= 0: the sample is a function of (nodes, fanout, seed), the same in every
+        thread, process and replica; -1: DGL's sampler with this process's random stream.
         """
         if self.all_owned(nodes):
-            return self._sample(self.graph, nodes - self.start, fanout)
+            return self._sample(self.graph, nodes - self.start, fanout, seed)
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         if halo_pos.numel() == 0:
-            return self._sample(self.graph, own_local, fanout)
+            return self._sample(self.graph, own_local, fanout, seed)
+        halo_seed = derive_seed(seed, 1) if seed >= 0 else -1  # its own stream
         return merge_neighbors(nodes.numel(), [
-            (own_pos, *self._sample(self.graph, own_local, fanout)),
-            (halo_pos, *self._sample(self.halo_graph, halo_local, fanout))])
+            (own_pos, *self._sample(self.graph, own_local, fanout, seed)),
+            (halo_pos, *self._sample(self.halo_graph, halo_local, fanout, halo_seed))])
 
     def gather(self, nodes: Tensor, with_feat: bool, with_label: bool,
                out: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -41,11 +41,15 @@ class WirePeers:
         """Reply bytes received from peers so far."""
         return self.replicas.bytes_received
 
-    def sample_neighbors(self, requests: dict[int, Tensor], fanout: int
+    def sample_neighbors(self, requests: dict[int, Tensor], fanout: int,
+                         seeds: dict[int, int] | None = None
                          ) -> dict[int, tuple[Tensor, Tensor]]:
+        """Each part's sample of its nodes; ``seeds[p]`` (>= 0) makes part p's reproducible
+        (a resend to another replica carries the same seed)."""
+        seeds = seeds or {}
         replies = self.replicas.scatter_gather(
-            {p: NeighborsRequest(nodes=n, fanout=fanout) for p, n in requests.items()},
-            NeighborsReply)
+            {p: NeighborsRequest(nodes=n, fanout=fanout, seed=seeds.get(p, -1))
+             for p, n in requests.items()}, NeighborsReply)
         return {p: (r.counts, r.src) for p, r in replies.items()}
 
     def gather(self, requests: dict[int, Tensor], with_feat: bool, with_label: bool

@@ -114,7 +114,7 @@ class SampleWorker:
         peers = self.peers
         peer_bytes0 = peers.bytes_received if peers else 0
         neighbors = DistributedNeighbors(self.store, peers, timings, self.scratch)
-        mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors)
+        mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors, msg.sample_seed)
         want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
         feat = self._features(msg, neighbors, mfg.input_nodes, want)
         _, label = neighbors.gather(msg.seeds, False, msg.with_label)

@@ -110,7 +110,7 @@ class PartitionHandlers:
                 "queued; lower the trainers' --max-inflight or raise --max-queue")
 
     def neighbors(self, msg: NeighborsRequest, call: Call) -> NeighborsReply:
-        counts, src = self.store.sample_neighbors(msg.nodes, msg.fanout)
+        counts, src = self.store.sample_neighbors(msg.nodes, msg.fanout, msg.seed)
         return NeighborsReply(counts=counts, src=src)
 
     def node_data(self, msg: NodeDataRequest, call: Call) -> NodeDataReply:

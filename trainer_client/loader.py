@@ -12,6 +12,11 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
   yielded in order.
 * A batch goes to a server of the part owning most of its seeds; that server samples across
   part boundaries, so the MFG does not depend on which part received it.
+* ``deterministic`` (the default): batch i of an epoch carries the sample seed
+  ``derive_seed(seed, epoch, rank, i)`` (a resend to another replica keeps it), so its MFG
+  is the same in every run with the same seed: a run resumed at epoch k samples exactly what
+  the uninterrupted run sampled (sampler_server/seeded_sampler.py). Off: the servers' own
+  random streams.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from common.messages import MFGReply, SampleRequest
+from common.messages import MFGReply, SampleRequest, derive_seed
 from common.mfg import MFG
 from common.rpc import expect
 from common.sampled_mfg import FEAT_RING
@@ -102,7 +107,8 @@ class DistNodeDataLoader:
                  shuffle: bool = True, seed: int = 0, max_inflight: int = 4,
                  device: torch.device | str = "cpu", with_label: bool = True,
                  feat_transfer: str = "", cache: FeatureCache | None = None,
-                 cache_ratio: float = 0.0, ring: ShmRing | None = None):
+                 cache_ratio: float = 0.0, ring: ShmRing | None = None,
+                 deterministic: bool = True):
         self.pool = pool
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
@@ -110,6 +116,7 @@ class DistNodeDataLoader:
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed = shuffle, seed
+        self.deterministic = deterministic
         self.max_inflight = max_inflight
         self.device = torch.device(device)
         self.with_label = with_label
@@ -133,14 +140,20 @@ class DistNodeDataLoader:
     def __len__(self) -> int:
         return len(self._batches())
 
+    def sample_seed(self, index: int) -> int:
+        """The sample seed of this epoch's batch ``index`` (-1 when not deterministic)."""
+        if not self.deterministic:
+            return -1
+        return derive_seed(self.seed, self.epoch, self.rank, index)
+
     def _owner(self, batch: Tensor) -> int:
         owners = torch.searchsorted(self.offsets, batch, right=True) - 1
         return int(torch.bincount(owners).argmax())
 
-    def _submit(self, batch: Tensor) -> tuple[Handle, int | None]:
+    def _submit(self, index: int, batch: Tensor) -> tuple[Handle, int | None]:
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
-                            cache_ratio=self.cache_ratio)
+                            cache_ratio=self.cache_ratio, sample_seed=self.sample_seed(index))
         offered: list[int] = []
 
         def offer(endpoint: str, msg: SampleRequest) -> SampleRequest:
@@ -235,13 +248,13 @@ class DistNodeDataLoader:
     def __iter__(self):
         """Batches in order. Batch i+1's reply is decoded and its device copy started before
         batch i is handed out, so the copy overlaps batch i's compute."""
-        batches = deque(self._batches())
+        batches = deque(enumerate(self._batches()))
         inflight: deque = deque()
         ready = None
         try:
             while batches or inflight:
                 while batches and len(inflight) < self.max_inflight:
-                    inflight.append(self._submit(batches.popleft()))
+                    inflight.append(self._submit(*batches.popleft()))
                 handle, slot = inflight[0]
                 t0 = time.perf_counter()
                 reply = expect(self.pool.wait(handle), MFGReply, handle.channel.endpoint)
