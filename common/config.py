@@ -136,6 +136,11 @@ class TrainerConfig:
     cache_ratio: float = opt(
         0.0, "fraction of each part's nodes whose features this trainer caches on its device "
         "(the hottest, ranked by partition-ogbn's pre-sampling); servers skip sending them")
+    node_emb_dim: int = opt(
+        0, "width of a learnable embedding per node, held on the sampler servers and "
+        "concatenated to the input features (DistDGL's DistEmbedding); 0 turns it off")
+    node_emb_lr: float = opt(
+        0.01, "learning rate of the node embeddings' sparse Adam (run on the servers)")
     feat_transfer: str = opt(
         "", "dtype features travel in: float16 or bfloat16 halve the bytes on the wire (the "
         "model still computes in float32); empty sends them as stored")
@@ -230,6 +235,11 @@ class TrainerConfig:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.cache_ratio <= 1.0:
             raise ConfigError(f"--cache-ratio must be in [0, 1], got {self.cache_ratio}")
+        if self.node_emb_dim < 0 or self.node_emb_dim > 2**16:
+            raise ConfigError(f"--node-emb-dim must be in [0, 65536] (0: off), got "
+                              f"{self.node_emb_dim}")
+        if not 0.0 < self.node_emb_lr < float("inf"):
+            raise ConfigError(f"--node-emb-lr must be > 0, got {self.node_emb_lr}")
         if self.feat_transfer not in ("", "float32", "float16", "bfloat16"):
             raise ConfigError(f"--feat-transfer must be float32, float16 or bfloat16, got "
                               f"{self.feat_transfer!r}")

@@ -3,7 +3,8 @@ trainer_client/node_tensors.py). Registered in :data:`common.messages.MESSAGE_CL
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,6 +24,27 @@ NODE_TENSOR_DTYPES = {"float32": torch.float32, "float64": torch.float64,
 NODE_TENSOR_INITS = ("zeros", "uniform", "normal")
 NODE_TENSOR_OPTIMIZERS = ("none", "sgd", "adagrad", "adam")
 _FLOAT_TENSOR_DTYPES = ("float32", "float64", "float16", "bfloat16")
+# The optimizer state a tensor keeps per row, in wire order (TensorRows.state,
+# TensorWrite.state): row-shaped tensors of the tensor's dtype, except Adam's "step" (int32,
+# one per row: the updates that row got, for its bias correction).
+OPTIMIZER_STATE: dict[str, tuple[str, ...]] = {
+    "none": (), "sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq", "step")}
+STEP_DTYPE = torch.int32
+
+
+def state_layout(spec: TensorCreate) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, row shape) of each optimizer state tensor of ``spec``, in wire order."""
+    dtype, shape = NODE_TENSOR_DTYPES[spec.dtype], tuple(spec.row_shape)
+    return [(n, STEP_DTYPE, ()) if n == "step" else (n, dtype, shape)
+            for n in OPTIMIZER_STATE[spec.optimizer]]
+
+
+def row_nbytes(spec: TensorCreate, with_state: bool = True) -> int:
+    """Bytes of one row (and, with ``with_state``, its optimizer state)."""
+    layout = [("data", NODE_TENSOR_DTYPES[spec.dtype], tuple(spec.row_shape))]
+    if with_state:
+        layout += state_layout(spec)
+    return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in layout)
 
 
 def _check_name(name: str) -> None:
@@ -92,27 +114,37 @@ class TensorInfo(Message):
 
 @dataclass
 class TensorWrite(Message):
-    """Overwrite rows: ``rows[i]`` becomes the row of global node ``ids[i]`` (ids unique)."""
+    """Overwrite rows: ``rows[i]`` becomes the row of global node ``ids[i]`` (ids unique).
+    ``state``, when not empty, overwrites those rows' optimizer state too (one tensor per
+    :data:`OPTIMIZER_STATE` entry of the tensor's optimizer, as a ``with_state`` read returns
+    them): how a checkpoint is restored exactly. Empty leaves the optimizer state as is."""
 
     TYPE = MsgType.TENSOR_WRITE
     name: str
     ids: Tensor
     rows: Tensor
     set_id: str = ""
+    state: list[Tensor] = field(default_factory=list)
 
     def check(self) -> None:
         _check_set_id(self.set_id)
         _check_ids(self.ids, "ids")
         _check_unique(self.ids, "ids")
         _check_rows(self.rows, self.ids, "rows")
+        for i, t in enumerate(self.state):
+            _check_rows(t, self.ids, f"state[{i}]")
 
 
 @dataclass
 class TensorRead(Message):
+    """Gather the rows of ``ids``; ``with_state`` also their optimizer state (for a
+    checkpoint)."""
+
     TYPE = MsgType.TENSOR_READ
     name: str
     ids: Tensor
     set_id: str = ""
+    with_state: bool = False
 
     def check(self) -> None:
         _check_set_id(self.set_id)
@@ -121,8 +153,19 @@ class TensorRead(Message):
 
 @dataclass
 class TensorRows(Message):
+    """The rows asked for, and with ``with_state`` their optimizer state (in
+    :data:`OPTIMIZER_STATE` order; empty otherwise)."""
+
     TYPE = MsgType.TENSOR_ROWS
     rows: Tensor
+    state: list[Tensor] = field(default_factory=list)
+
+    def check(self) -> None:
+        _need(self.rows.dim() >= 1, "bad_tensor", "rows must have a row dimension")
+        for i, t in enumerate(self.state):
+            _need(t.dim() >= 1 and t.shape[0] == self.rows.shape[0], "bad_tensor",
+                  f"state[{i}] must hold one row per row of rows ({self.rows.shape[0]}), got "
+                  f"shape {tuple(t.shape)}")
 
 
 @dataclass

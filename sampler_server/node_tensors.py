@@ -19,7 +19,6 @@ bias correction counts the updates that row got, as in DGL's sparse Adam).
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,9 +40,9 @@ from common.messages import (
     TensorUpdate,
     TensorWrite,
 )
+from common.tensor_messages import row_nbytes, state_layout
 
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(TensorCreate) if f.name != "set_id")
-_STATE_COPIES = {"none": 0, "sgd": 0, "adagrad": 1, "adam": 2}  # row-sized state tensors
 
 
 @dataclass
@@ -57,9 +56,7 @@ class _NodeTensor:
 
 def _footprint(spec: TensorCreate, rows: int) -> int:
     """Bytes of a tensor of ``rows`` rows and its optimizer state (Adam: + int32 steps)."""
-    row = math.prod(spec.row_shape) * NODE_TENSOR_DTYPES[spec.dtype].itemsize
-    steps = 4 if spec.optimizer == "adam" else 0
-    return rows * (row * (1 + _STATE_COPIES[spec.optimizer]) + steps)
+    return rows * row_nbytes(spec)
 
 
 def _initial(spec: TensorCreate, rows: int, start: int) -> Tensor:
@@ -143,9 +140,8 @@ class NodeTensorStore:
             self._bytes += need  # reserved before the allocation, so two creates cannot both fit
         try:
             data = _initial(msg, rows, self.start)
-            state = [torch.zeros_like(data) for _ in range(_STATE_COPIES[msg.optimizer])]
-            if msg.optimizer == "adam":
-                state.append(torch.zeros(rows, dtype=torch.int32))
+            state = [torch.zeros((rows, *shape), dtype=dtype)
+                     for _, dtype, shape in state_layout(msg)]
         except BaseException:
             with self._lock:
                 self._bytes -= need
@@ -156,18 +152,24 @@ class NodeTensorStore:
         return self._info(msg.name, created=True)
 
     def handle_write(self, msg: TensorWrite) -> Ack:
+        """Rows, and with ``msg.state`` their optimizer state, written as one step."""
         t = self._get(msg.name)
         rows = self._local(msg.ids)
         self._check_rows(t, msg.rows, "rows")
+        if msg.state:
+            self._check_state(t, msg.state)
         with t.lock:
             t.data.index_copy_(0, rows, msg.rows)
+            for have, new in zip(t.state, msg.state):
+                have.index_copy_(0, rows, new)
         return Ack()
 
     def handle_read(self, msg: TensorRead) -> TensorRows:
         t = self._get(msg.name)
         rows = self._local(msg.ids)
         with t.lock:
-            return TensorRows(rows=t.data.index_select(0, rows))
+            state = [s.index_select(0, rows) for s in t.state] if msg.with_state else []
+            return TensorRows(rows=t.data.index_select(0, rows), state=state)
 
     def handle_update(self, msg: TensorUpdate) -> Ack:
         t = self._get(msg.name)
@@ -221,6 +223,17 @@ class NodeTensorStore:
                 "tensor_mismatch", f"node tensor {t.spec.name!r} holds {t.spec.dtype} rows of "
                 f"shape {want}, but {what} are {str(rows.dtype).replace('torch.', '')} rows of "
                 f"shape {list(rows.shape[1:])}")
+
+    @staticmethod
+    def _check_state(t: _NodeTensor, state: list[Tensor]) -> None:
+        """``state`` has the dtype and row shape of each of ``t``'s optimizer state tensors."""
+        want = [(name, dtype, list(shape)) for name, dtype, shape in state_layout(t.spec)]
+        got = [("", s.dtype, list(s.shape[1:])) for s in state]
+        if len(got) != len(want) or any(w[1:] != g[1:] for w, g in zip(want, got)):
+            raise ProtocolError(
+                "tensor_mismatch", f"node tensor {t.spec.name!r} (optimizer "
+                f"{t.spec.optimizer}) keeps state {[(n, str(d), s) for n, d, s in want]} per "
+                f"row, but the write carries {[(str(d), s) for _, d, s in got]}")
 
     @staticmethod
     def _same_spec(have: TensorCreate, want: TensorCreate) -> None:
