@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from common.errors import ConfigError
+from common.sockets import CurveKeys
 
 
 @dataclass
@@ -33,6 +34,18 @@ class ClusterSpec:
 
     def all_endpoints(self) -> list[tuple[int, str]]:
         return [(p, ep) for p in sorted(self.partitions) for ep in self.partitions[p]]
+
+    def client_keys(self, secret_key_file: str, where: str) -> CurveKeys | None:
+        """A client's CurveZMQ keys for these servers (None: the cluster runs without
+        CurveZMQ). ``secret_key_file`` is the client's --curve-secret-key, ``where`` names the
+        cluster file in messages; the two must agree on whether CurveZMQ is on."""
+        if secret_key_file and not self.curve_server_key:
+            raise ConfigError(f"--curve-secret-key is set but cluster file {where} has no "
+                              "curve_server_key (the servers' public key file); add it")
+        if self.curve_server_key and not secret_key_file:
+            raise ConfigError(f"cluster file {where} names curve_server_key: its servers "
+                              "require CurveZMQ; pass this client's key with --curve-secret-key")
+        return CurveKeys.load(secret_key_file, self.curve_server_key) if secret_key_file else None
 
     def to_yaml(self) -> str:
         data: dict = {"partitions": {p: list(v) for p, v in self.partitions.items()}}

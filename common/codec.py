@@ -196,6 +196,19 @@ def peek_request_id(header_frame: Any) -> int:
         return 0
 
 
+def peek_error_code(frames: Sequence[Any]) -> str | None:
+    """The code of an encoded ErrorReply (``frames`` as :func:`encode` returned them), None
+    for any other message. Cheap for the replies that matter: an MFG reply has tensor frames
+    and is never unpacked here."""
+    if len(frames) != 1:
+        return None  # an ErrorReply has no tensors: one frame
+    head = msgpack.unpackb(bytes(_frame_bytes(frames[0])[:MAX_HEADER_BYTES]), raw=False)
+    if not isinstance(head, dict) or head.get("t") != MsgType.ERROR:
+        return None
+    code = head.get("s", {}).get("code")
+    return code if isinstance(code, str) else "?"
+
+
 def _check_scalar(name: str, kind: int, v: Any) -> Any:
     def bad(what: str) -> ProtocolError:
         return ProtocolError("bad_field", f"field {name!r} must be {what}, got {type(v).__name__}")

@@ -429,3 +429,24 @@ class PlotConfig:
     def validate(self) -> None:
         if not 30 <= self.dpi <= 600:
             raise ConfigError(f"--dpi must be in 30..600, got {self.dpi}")
+
+
+@dataclass
+class StatusConfig:
+    """mfgserve-status: ask every server of a cluster file what it is doing."""
+
+    cluster: str = opt("", "cluster YAML listing every part's server endpoints (required)",
+                       metavar="FILE")
+    json: bool = opt(False, "print one JSON document instead of the table", negatable=False)
+    timeout_s: float = opt(
+        5.0, "seconds to wait for all the servers together (they are asked at once); a "
+        "server that has not answered by then is reported down, with why")
+    curve_secret_key: str = opt(
+        "", "CurveZMQ: this client's secret key file (NAME.key_secret from mfgserve-keys); "
+        "needed when the cluster file names curve_server_key", metavar="FILE")
+
+    def validate(self) -> None:
+        if not self.cluster:
+            raise ConfigError("mfgserve-status needs --cluster FILE.yaml")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout-s must be > 0, got {self.timeout_s}")

@@ -97,6 +97,10 @@ class Executor:
         """Requests queued or being served."""
         return 0
 
+    def samplers(self) -> tuple[str, int, int]:
+        """What serves the offloaded requests: (kind, how many, how many are alive)."""
+        return "inline", 1, 1
+
     def close(self) -> bool:
         """Stop; True when no thread of it still holds a socket."""
         return True
@@ -163,6 +167,9 @@ class ThreadExecutor(Executor):
 
     def queue_len(self) -> int:
         return self.jobs.qsize()
+
+    def samplers(self) -> tuple[str, int, int]:
+        return "threads", len(self.threads), sum(t.is_alive() for t in self.threads)
 
     def _loop(self, index: int) -> None:
         """One sampling thread; if the thread itself breaks, the service stops (exit 1), so
@@ -301,6 +308,9 @@ class ProcessExecutor(Executor):
 
     def queue_len(self) -> int:
         return len(self.pending) + len(self.procs) - len(self.idle)
+
+    def samplers(self) -> tuple[str, int, int]:
+        return "processes", len(self.procs), sum(p.poll() is None for p in self.procs)
 
     def close(self) -> bool:
         """Tell every process to stop; kill those that do not within the deadline."""

@@ -45,6 +45,9 @@ class MsgType(IntEnum):
     TENSOR_ROWS = 44
     TENSOR_UPDATE = 45
     TENSOR_DROP = 46
+    # 50-51: an operator's status query (sampler_server/status.py, mfgserve-status)
+    STATUS_REQ = 50
+    STATUS = 51
 
 
 @dataclass

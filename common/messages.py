@@ -251,6 +251,59 @@ class StatsReply(Message):
 
 
 @dataclass
+class StatusRequest(Message):
+    """An operator's question (mfgserve-status): what is this server doing? Answered on the
+    IO thread, never queued behind sample requests."""
+
+    TYPE = MsgType.STATUS_REQ
+
+
+SAMPLER_KINDS = ("threads", "processes", "inline")
+
+
+@dataclass
+class StatusReply(Message):
+    """A server's state (sampler_server/status.py builds it; its docstring says what each
+    field means). ``stats`` is the STATS reply's values (common.stats.ServerStats, totals
+    since start and gauges now); ``window`` the counters (common.stats.ServerCounters) added
+    over the last ``window_s`` seconds."""
+
+    TYPE = MsgType.STATUS
+    part_id: int
+    num_parts: int
+    dataset: str
+    set_id: str
+    server_id: str
+    pid: int
+    host: str
+    protocol_version: int
+    uptime_s: float
+    stats: dict[str, float]
+    window_s: float
+    window: dict[str, float]
+    pss_available: bool  # False: psutil could not read pss here; mem_pss_bytes holds rss
+    trainers: int  # trainer connections that sent a request within the window
+    peers: int  # other servers' connections that sent a request within the window
+    queue_peak: int
+    queue_limit: int
+    error_codes: dict[str, float]  # error replies sent since start, by code
+    sampler_kind: str
+    samplers: int
+    samplers_alive: int
+    node_tensor_bytes: int
+
+    def check(self) -> None:
+        _need(self.sampler_kind in SAMPLER_KINDS, "bad_field",
+              f"sampler_kind must be one of {SAMPLER_KINDS}, got {self.sampler_kind!r}")
+        _need(min(self.uptime_s, self.window_s, self.trainers, self.peers, self.queue_peak,
+                  self.queue_limit, self.samplers, self.samplers_alive,
+                  self.node_tensor_bytes) >= 0, "bad_field",
+              "status times, counts and sizes must not be negative")
+        _need(self.samplers_alive <= self.samplers, "bad_field",
+              "samplers_alive must not exceed samplers")
+
+
+@dataclass
 class Shutdown(Message):
     """Stop the server. Obeyed only when ``token`` equals the server's shutdown token (from
     its --shutdown-token-file); a server without one refuses every Shutdown."""
@@ -312,6 +365,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     for cls in (ErrorReply, Ping, Pong, SampleRequest, MFGReply, NeighborsRequest, NeighborsReply,
                 NodeDataRequest, NodeDataReply, SeedsRequest, SeedsReply, StatsRequest,
                 StatsReply, Shutdown, Ack, CacheFillRequest, CacheFillReply,
+                StatusRequest, StatusReply,
                 TensorCreate, TensorInfo, TensorWrite, TensorRead, TensorRows, TensorUpdate,
                 TensorDrop,
                 SampleJob, SampleResult, WorkerReady, WorkerStop)

@@ -17,7 +17,9 @@ drop or error) get theirs, and anything else is a bug: code ``internal``, logged
 traceback. The server goes on serving either way.
 
 Replies leave through one :class:`~common.backlog.PeerBacklog` (bounded bytes per client);
-counters live in one :class:`~common.stats.Tally` of :class:`~common.stats.ServerCounters`.
+counters live in one :class:`~common.stats.WindowedTally` of
+:class:`~common.stats.ServerCounters` (totals, and the last minute's for rates); error replies
+are also counted by code as they leave.
 Domain code never imports zmq: the runtime owns the context, the sockets and CurveZMQ.
 """
 
@@ -46,7 +48,7 @@ from common.errors import (
 )
 from common.messages import ErrorReply, Message, MsgType
 from common.sockets import CurveKeys, bound_endpoint, make_socket
-from common.stats import ServerCounters, Tally
+from common.stats import ServerCounters, WindowedTally
 
 log = logging.getLogger("mfgserve.server")
 BURST = 64  # requests taken from the socket before results are looked at again
@@ -111,7 +113,8 @@ class Service:
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.endpoint = bound_endpoint(self.frontend)
         self.backlog = PeerBacklog(transport.max_peer_backlog_bytes)
-        self.stats: Tally[ServerCounters] = Tally(ServerCounters())
+        self.stats: WindowedTally[ServerCounters] = WindowedTally(ServerCounters())
+        self.error_codes: dict[str, int] = {}  # error replies sent, by code (IO thread only)
         self.handlers: dict[MsgType, Handler] = {}
         self.precheck: Callable[[Message], None] | None = None  # runs before every handler
         self.executor: Any = None  # common.executors.Executor, see use()
@@ -202,9 +205,13 @@ class Service:
             self.send(client, codec.encode(reply, rid))
 
     def send(self, client: Any, frames: list) -> None:
-        """Every reply leaves through here: counted, and bounded per client (PeerBacklog)."""
+        """Every reply leaves through here: counted (error replies also by code), and
+        bounded per client (PeerBacklog)."""
         self.stats.add(bytes_out=sum(memoryview(f).nbytes if not isinstance(f, zmq.Frame)
                                      else len(f) for f in frames))
+        code = codec.peek_error_code(frames)
+        if code is not None:
+            self.error_codes[code] = self.error_codes.get(code, 0) + 1
         self.backlog.send(self.frontend, client, frames)
 
     # ------------------------------------------------------------------ stopping

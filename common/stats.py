@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -61,6 +62,8 @@ class SampleCounts(Numbers):
     remote_bytes: int = 0
     encode_s: float = 0.0
     errors: int = 0
+    ring_replies: int = 0  # replies whose features went into the trainer's shared-memory ring
+    ring_rows: int = 0  # feature rows written into rings
 
 
 @dataclass
@@ -114,28 +117,75 @@ class Tally(Generic[T]):
     def add(self, delta: Numbers | None = None, **fields: float) -> None:
         """Add a stats dataclass (a subset of this one's fields) and/or named amounts."""
         with self._lock:
-            if delta is not None:
-                self._value.add(delta)
-            for name, amount in fields.items():
-                setattr(self._value, name, getattr(self._value, name) + amount)
+            self._apply(self._value, delta, fields)
+
+    @staticmethod
+    def _apply(target: Numbers, delta: Numbers | None, fields: Mapping[str, float]) -> None:
+        if delta is not None:
+            target.add(delta)
+        for name, amount in fields.items():
+            setattr(target, name, getattr(target, name) + amount)
 
     def snapshot(self) -> T:
         with self._lock:
             return dataclasses.replace(self._value)  # type: ignore[type-var]
 
 
-def process_memory(stats: ServerStats) -> None:
+class WindowedTally(Tally[T]):
+    """A :class:`Tally` that also keeps what was added during each of the last ``seconds``
+    seconds (a ring of per-second buckets, under the same lock), so rates over the last
+    minute cost one more addition per change and nothing while idle."""
+
+    def __init__(self, value: T, seconds: int = 60,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(value)
+        self.seconds, self.clock = seconds, clock
+        self.started = clock()
+        self._buckets = [type(value)() for _ in range(seconds)]
+        self._stamps = [-1] * seconds  # the second each bucket holds
+
+    def add(self, delta: Numbers | None = None, **fields: float) -> None:
+        with self._lock:
+            self._apply(self._value, delta, fields)
+            self._apply(self._bucket(int(self.clock())), delta, fields)
+
+    def _bucket(self, sec: int) -> Numbers:
+        i = sec % self.seconds
+        if self._stamps[i] != sec:
+            self._buckets[i], self._stamps[i] = type(self._value)(), sec
+        return self._buckets[i]
+
+    def window(self) -> tuple[T, float]:
+        """The sum of what was added during the last ``seconds`` seconds (this one
+        included) and how many seconds that covers (less for a younger tally)."""
+        now = self.clock()
+        sec = int(now)
+        total = type(self._value)()
+        with self._lock:
+            for stamp, bucket in zip(self._stamps, self._buckets):
+                if sec - self.seconds < stamp <= sec:
+                    total.add(bucket)
+        return total, min(now - self.started, now - sec + self.seconds - 1)
+
+
+def process_memory(stats: ServerStats) -> bool:
     """Fill ``stats``'s memory gauges: this process and its children (psutil). rss sums
     resident pages (shared ones counted once per process), pss splits shared pages among the
-    processes mapping them (the honest total), uss is what exiting them would free."""
+    processes mapping them (the honest total), uss is what exiting them would free. Returns
+    whether pss and uss were known for every process (not on every platform: rss stands in
+    for them where they are not)."""
     procs = [psutil.Process()]
     procs += procs[0].children(recursive=True)
     stats.sampler_processes = len(procs)
+    known = True
     for proc in procs:
         try:
             info = proc.memory_full_info()
         except (psutil.Error, OSError):
+            known = False
             continue
+        known = known and hasattr(info, "pss") and hasattr(info, "uss")
         stats.mem_rss_bytes += info.rss
         stats.mem_pss_bytes += getattr(info, "pss", info.rss)
         stats.mem_uss_bytes += getattr(info, "uss", info.rss)
+    return known

@@ -139,4 +139,5 @@ class SampleWorker:
             sample_requests=1, seeds_served=msg.seeds.numel(), sample_s=timings.sample_s,
             gather_s=timings.gather_s, remote_s=timings.remote_s,
             remote_requests=timings.remote_requests, remote_bytes=remote_bytes,
-            encode_s=times.encode_s)
+            encode_s=times.encode_s, ring_replies=int(feat.via == FEAT_RING),
+            ring_rows=times.shm_rows)

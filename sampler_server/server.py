@@ -12,17 +12,18 @@ runs SAMPLE requests in threads or processes. This module is only the handlers a
 composition.
 
 The IO thread answers cheap, local-only requests inline (PING, NEIGHBORS_REQ, NODE_DATA_REQ,
-SEEDS_REQ, CACHE_FILL_REQ, STATS_REQ, SHUTDOWN) so that a peer's request is never stuck behind
-a full-MFG job that itself waits on that peer: two servers sampling across each other cannot
-deadlock. SAMPLE requests go to the samplers through a bounded queue (sampler processes take
-a job only when idle); when it is full the client gets a ``busy`` error reply (its credits
+SEEDS_REQ, CACHE_FILL_REQ, STATS_REQ, STATUS_REQ, SHUTDOWN) so that a peer's request is never
+stuck behind a full-MFG job that itself waits on that peer: two servers sampling across each
+other cannot deadlock. SAMPLE requests go to the samplers through a bounded queue (sampler
+processes take a job only when idle); when it is full the client gets a ``busy`` error reply (its credits
 should prevent that). Every malformed message gets an ``ERROR`` reply and the server keeps
 serving. A sampler thread or process that breaks stops the server (exit 1), so clients fail
 over.
 
 Sampler processes map the same partition files, so the page cache holds one copy of the
 partition for all of them; ``STATS`` reports the memory of the server and its workers (rss,
-pss, uss).
+pss, uss); ``STATUS`` (sampler_server/status.py) adds identity, the last minute's rates,
+clients, errors by code, samplers alive and ring use, for ``mfgserve-status``.
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ from common.messages import (
 )
 from common.service import Call, Service, Transport
 from common.sockets import read_token
-from common.stats import ServerStats, process_memory
 from partition.layout import load_hot_rank
 from sampler_server.node_tensors import NodeTensorStore
 from sampler_server.partition_store import PartitionStore
 from sampler_server.sample_worker import SampleWorker, hot_rank_or_error, peer_keys
 from sampler_server.sampler_proc import worker_argv
+from sampler_server.status import StatusReporter, server_stats
 
 log = logging.getLogger("mfgserve.server")
 
@@ -138,13 +139,7 @@ class PartitionHandlers:
         return CacheFillReply(nodes=nodes, feat=feat if want is None else feat.to(want))
 
     def stats(self, msg: StatsRequest, call: Call) -> StatsReply:
-        s = self.service
-        out = ServerStats()
-        out.add(s.stats.snapshot())
-        out.queue_len = s.executor.queue_len()
-        out.replies_dropped = s.backlog.dropped
-        out.backlog_bytes = s.backlog.queued_bytes()
-        process_memory(out)
+        out, _ = server_stats(self.service)
         return StatsReply(values=out.to_wire())
 
     def shutdown(self, msg: Shutdown, call: Call) -> Ack:
@@ -198,10 +193,14 @@ class SamplerServer:
             cfg.heartbeat_timeout_s, cfg.curve_secret_key, cfg.curve_authorized_keys),
             where=f"part {cfg.part_id}")
         self.endpoint = self.service.endpoint
-        PartitionHandlers(cfg, self.store, hot_rank, self.service, token).register()
-        NodeTensorStore(cfg.part_id, self.store.start, self.store.end,
-                        cfg.max_node_tensor_mb << 20).register(self.service)
+        handlers = PartitionHandlers(cfg, self.store, hot_rank, self.service, token)
+        handlers.register()
+        tensors = NodeTensorStore(cfg.part_id, self.store.start, self.store.end,
+                                  cfg.max_node_tensor_mb << 20)
+        tensors.register(self.service)
         self.service.use(make_executor(cfg, self.store, hot_rank, cluster))
+        StatusReporter(self.service, cfg, self.store.meta, handlers.server_id,
+                       tensors).install()
 
     @property
     def fatal(self) -> str | None:
