@@ -45,7 +45,7 @@ from trainer_client.checkpoint import (
 from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, make_scheduler
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.loader import DistNodeDataLoader
-from trainer_client.model import GraphSAGE
+from trainer_client.models import build_model
 from trainer_client.run_dir import (
     RunFiles,
     broadcast_bytes,
@@ -522,15 +522,6 @@ def _model_spec(cfg: TrainerConfig, info) -> dict:
 
 def _emb_dim(cfg: TrainerConfig) -> int:
     return int(getattr(cfg, "node_emb_dim", 0))  # INTEGRATE(H): cfg.node_emb_dim once added
-
-
-def build_model(spec: dict) -> nn.Module:
-    """INTEGRATE(B): trainer_client.models.build_model(spec) once it exists."""
-    if spec["name"] != "sage":
-        raise ConfigError(f"--model {spec['name']} needs trainer_client.models, which this "
-                          "build does not have yet; use --model sage")
-    return GraphSAGE(spec["in_feats"], spec["hidden"], spec["num_classes"],
-                     spec["num_layers"], spec["dropout"])
 
 
 def _make_cache(cfg: TrainerConfig, pool: ServerPool, info, device) -> FeatureCache | None:
