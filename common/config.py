@@ -432,6 +432,66 @@ class PlotConfig:
 
 
 @dataclass
+class InferConfig:
+    """mfgserve-infer: layer-wise full-neighbour inference of a trained model over every node
+    of the graph the running servers serve; writes predictions, logits and embeddings per part
+    (npy) and an index.json."""
+
+    cluster: str = opt("", "cluster YAML listing the running servers, exactly one per part "
+                       "(the layer outputs are node tensors held by the servers); required")
+    run_dir: str = opt(
+        "", "a training run's directory: --model defaults to RUN_DIR/best_model.pt, --out to "
+        "RUN_DIR/inference, and RUN_DIR/summary.json gives the sampled accuracy to compare",
+        metavar="DIR")
+    model: str = opt("", "model file written by training (best_model.pt, format "
+                     "mfgserve-model/1); empty: RUN_DIR/best_model.pt", metavar="FILE")
+    out: str = opt("", "directory for the outputs (part-K/*.npy, index.json); empty: "
+                   "RUN_DIR/inference", metavar="DIR")
+    parts: str = opt(
+        "", "the servers' partition set directory, if readable here: orig_ids.npy then holds "
+        "the original dataset ids; without it, the global node ids (index.json says which)",
+        metavar="DIR")
+    batch_size: int = opt(
+        1024, "nodes per one-layer full-neighbour request; lower it if a reply exceeds "
+        "--max-message-mb (high in-degree nodes, wide features)")
+    max_inflight: int = opt(4, "sample requests in flight (prefetch depth)")
+    device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda",
+                      choices=("auto", "cpu", "cuda"))
+    num_threads: int = opt(0, "torch CPU threads; 0 keeps torch's default")
+    max_message_mb: int = opt(
+        512, "largest message accepted, in MiB; node tensor reads and writes are cut into "
+        "chunks below it")
+    request_timeout_s: float = opt(60.0, "seconds to wait for a server's reply")
+    heartbeat_s: float = opt(
+        1.0, "seconds between heartbeats to each server; 0 turns heartbeats off")
+    heartbeat_timeout_s: float = opt(
+        5.0, "a server that answers no heartbeat for this many seconds is treated as dead")
+    replica_suspect_s: float = opt(
+        30.0, "seconds a server that missed --request-timeout-s is avoided (common/replicas.py)")
+    curve_secret_key: str = opt(
+        "", "CurveZMQ: this client's secret key file (NAME.key_secret from mfgserve-keys)")
+    progress: bool = opt(True, "show a progress bar per layer (on a terminal, on stderr)")
+
+    def validate(self) -> None:
+        if not self.cluster:
+            raise ConfigError("mfgserve-infer needs --cluster FILE.yaml (the running servers)")
+        if not (self.model or self.run_dir):
+            raise ConfigError("mfgserve-infer needs --run-dir DIR (a training run, with "
+                              "best_model.pt) or --model FILE")
+        if not (self.out or self.run_dir):
+            raise ConfigError("mfgserve-infer needs --out DIR (or --run-dir DIR: outputs go "
+                              "to DIR/inference)")
+        for name in ("batch_size", "max_inflight", "max_message_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.num_threads < 0:
+            raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError("--request-timeout-s must be > 0")
+        _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)
+
+
+@dataclass
 class StatusConfig:
     """mfgserve-status: ask every server of a cluster file what it is doing."""
 
