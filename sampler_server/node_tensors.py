@@ -13,7 +13,9 @@ lock per tensor: a request's rows are written, read or updated as one step, so c
 writers never leave a torn row or a half-applied request. All tensors together, optimizer
 state included, stay within ``max_bytes`` (``--max-node-tensor-mb``). Optimizer state is kept
 per row (Adagrad: the sum of squared gradients; Adam: both moments and a step count, so a row's
-bias correction counts the updates that row got, as in DGL's sparse Adam).
+bias correction counts the updates that row got, as in DGL's sparse Adam). A read with
+``with_state`` returns it with the rows, and a write carrying ``state`` sets it with them (one
+step under the tensor's lock), so a checkpoint saves and restores a tensor exactly.
 """
 
 from __future__ import annotations

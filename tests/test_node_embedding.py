@@ -55,6 +55,9 @@ def clusters(synth_parts2, tmp_path_factory):
         for p in pools.values():
             p.close()
         errors = []
+        for s in servers:  # all told at once, then each waited for and checked
+            if s.proc.poll() is None:
+                s.proc.terminate()
         for s in servers:
             try:
                 s.stop_and_check(60)
@@ -147,6 +150,27 @@ def test_updates_equal_reference(pool, optimizer):
     assert emb.nbytes_per_server() == {
         p: n * (16 * {"adam": 3, "adagrad": 2, "sgd": 1}[optimizer] + 4 * (optimizer == "adam"))
         for p, n in enumerate(torch.diff(emb.tensor.offsets).tolist())}
+
+
+def test_two_trainers_each_step_the_rows_they_looked_up(clusters):
+    """Two trainers (two pools, as two DDP ranks) look up the same row in one step: the row
+    gets two optimizer steps, one per trainer's gradient (DistDGL's push-based updates)."""
+    second = ServerPool(clusters["a"].cluster, timeout_s=60.0, max_message_bytes=64 << 20)
+    try:
+        embs = [_emb(clusters["a"], "ranks", "adam"), _emb(second, "ranks", "adam")]
+        ids = torch.tensor([5, 5, 2000])
+        ref = Reference(embs[0].tensor.read(torch.arange(embs[0].num_nodes)), "adam")
+        for k, emb in enumerate(embs):
+            rows = emb.lookup(ids)
+            (rows * (k + 1)).sum().backward()
+            ref.step(ids, rows.grad)
+        for emb in embs:
+            emb.step()
+        state = embs[1].state_dict()
+        assert state["step"][[5, 2000, 6]].tolist() == [2, 2, 0]
+        torch.testing.assert_close(state["data"].double(), ref.w, rtol=1e-5, atol=1e-6)
+    finally:
+        second.close()
 
 
 def _round_trip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
