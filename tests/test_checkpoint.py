@@ -16,8 +16,9 @@ import pytest
 import torch
 from train_runs import cluster_file, finish, metrics, start_trainers, train
 
-from common.config import TrainerConfig
+from common.config import TrainerConfig, WorkerModeConfig
 from common.errors import ConfigError
+from deploy.worker_mode import with_run_dir
 from trainer_client.checkpoint import (
     FORMAT,
     Checkpointer,
@@ -27,43 +28,25 @@ from trainer_client.checkpoint import (
     result_config,
     save_atomic,
 )
+from trainer_client.run_dir import resume_location
 
 # Same result-changing options in every run of a test; --epochs and --run-dir vary.
 RESULT = ["--checkpoint-every", "1", "--lr-schedule", "step", "--lr-step-epochs", "2",
           "--eval-every", "2", "--seed", "3"]
 
 
-def _wait_for(path: Path, proc, timeout: float) -> None:
-    """Until ``path`` exists (fails if ``proc`` exits first or the deadline passes)."""
+def _wait_for(path: Path, procs: list, timeout: float) -> None:
+    """Until ``path`` exists (fails if a process exits first or the deadline passes)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, f"exited with {proc.returncode} before {path} existed:\n" \
-                                    f"{proc.communicate()[1][-3000:]}"
+        for p in procs:
+            assert p.poll() is None, f"exited with {p.returncode} before {path} existed:\n" \
+                                     f"{p.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"{path} not written within {timeout}s"
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(400)
-def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(synth_parts1, server_factory,
-                                                               tmp_path):
-    server = server_factory(synth_parts1, 0)
-    cluster = cluster_file(tmp_path, {0: [server.endpoint]})
-    whole, parts = tmp_path / "whole", tmp_path / "interrupted"
-    # The interrupted run asks for far more epochs (--epochs is no result option): it is
-    # certainly still training when killed right after its second checkpoint.
-    reference = start_trainers(cluster, [*RESULT, "--epochs", "4", "--run-dir", whole])
-    victim = start_trainers(cluster, [*RESULT, "--epochs", "1000", "--run-dir", parts])[0]
-    _wait_for(parts / "checkpoints" / "epoch-000002.pt", victim, 200)
-    victim.kill()
-    assert victim.wait(30) == -signal.SIGKILL
-    victim.communicate()
-    finish(reference, 200)
-    summary = train(cluster, [*RESULT, "--epochs", "4", "--run-dir", parts, "--resume"])
-    assert summary["resumed_from"].startswith(str(parts / "checkpoints" / "epoch-"))
-    assert summary["epochs_done"] == 4 and summary["run_dir"] == str(parts)
-
-    a = torch.load(whole / "checkpoints" / "epoch-000004.pt", weights_only=True)
-    b = torch.load(parts / "checkpoints" / "epoch-000004.pt", weights_only=True)
+def _assert_same_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys()
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-5, atol=1e-6,
@@ -71,6 +54,41 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(synth_parts1, ser
     torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"], rtol=1e-5,
                                atol=1e-6)
     assert b["scheduler"] == a["scheduler"] and b["best"]["epoch"] == a["best"]["epoch"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size,extra", [
+    # One rank with a server-held learnable node embedding (its rows and Adam state are part
+    # of the checkpoint). Two ranks without one: the servers apply each rank's embedding
+    # update as it arrives, so two ranks' updates of one row land in either order.
+    (1, ["--node-emb-dim", "4"]), (2, [])], ids=["1rank-emb", "2ranks"])
+def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(
+        world_size, extra, synth_parts1, server_factory, tmp_path):
+    server = server_factory(synth_parts1, 0)
+    cluster = cluster_file(tmp_path, {0: [server.endpoint]})
+    whole, parts = tmp_path / "whole", tmp_path / "interrupted"
+    args = [*RESULT, *extra]
+    # The interrupted run asks for far more epochs (--epochs is no result option): it is
+    # certainly still training when killed right after its second checkpoint.
+    reference = start_trainers(cluster, [*args, "--epochs", "4", "--run-dir", whole],
+                               world_size)
+    victims = start_trainers(cluster, [*args, "--epochs", "1000", "--run-dir", parts],
+                             world_size)
+    _wait_for(parts / "checkpoints" / "epoch-000002.pt", victims, 200)
+    for victim in victims:
+        victim.kill()
+    for victim in victims:
+        assert victim.wait(30) == -signal.SIGKILL
+        victim.communicate()
+    finish(reference, 200)
+    summary = train(cluster, [*args, "--epochs", "4", "--run-dir", parts, "--resume"],
+                    world_size)
+    assert summary["resumed_from"].startswith(str(parts / "checkpoints" / "epoch-"))
+    assert summary["epochs_done"] == 4 and summary["run_dir"] == str(parts)
+
+    a = torch.load(whole / "checkpoints" / "epoch-000004.pt", weights_only=True)
+    b = torch.load(parts / "checkpoints" / "epoch-000004.pt", weights_only=True)
+    _assert_same_state(a, b)
     # The resumed run's metrics continue the file: each epoch once, losses as uninterrupted.
     ma, mb = metrics(whole), metrics(parts)
     assert [m["epoch"] for m in mb] == [0, 1, 2, 3] == [m["epoch"] for m in ma]
@@ -78,6 +96,14 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(synth_parts1, ser
     assert [m["lr"] for m in mb] == pytest.approx([3e-3, 3e-3, 1.5e-3, 1.5e-3])
     assert [p.name for p in list_checkpoints(parts / "checkpoints")] == [
         "epoch-000003.pt", "epoch-000004.pt"]
+    if not extra:
+        return
+    # The embedding rows and their Adam state, read back from the server, match too.
+    emb_a, emb_b = a["node_tensors"]["node_emb"], b["node_tensors"]["node_emb"]
+    assert emb_a.keys() == emb_b.keys() and len(emb_a) > 1
+    torch.testing.assert_close(emb_b, emb_a, rtol=1e-5, atol=1e-6)
+    assert summary["node_embedding"]["dim"] == 4
+    assert all(n > 0 for n in summary["node_embedding"]["bytes_per_server"].values())
 
 
 def _other_set(synth_graph, tmp_path: Path) -> Path:
@@ -172,3 +198,37 @@ def test_checkpointer_keeps_the_newest_two(tmp_path):
                        str(tmp_path / "ck" / "epoch-000007.pt")]
     newest = load_bytes((tmp_path / "ck" / "epoch-000007.pt").read_bytes(), "newest")
     assert newest["epoch"] == 7 and torch.equal(newest["t"], torch.full((2,), 7.0))
+
+
+def _fake_run(root: Path, name: str, checkpoints: bool) -> Path:
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    if checkpoints:
+        (run / "checkpoints" / "epoch-000005.pt").write_bytes(b"")
+    return run
+
+
+def test_resume_finds_the_newest_run_with_a_checkpoint(tmp_path):
+    """--resume without --run-dir / --checkpoint-dir: the newest run (by name: start time)
+    that holds a checkpoint, in ./runs for trainer-client, in <work_dir>/runs for
+    worker-mode; an explicit directory is taken as given."""
+    runs = tmp_path / "work" / "runs"
+    _fake_run(runs, "20260101-000000-aaaaaa", True)
+    newest = _fake_run(runs, "20260102-000000-bbbbbb", True)
+    _fake_run(runs, "20260103-000000-cccccc", False)  # newer, but nothing to resume
+    assert resume_location("", "", runs_root=str(runs)) == newest / "checkpoints"
+    assert resume_location("r", "", runs_root=str(runs)) == Path("r") / "checkpoints"
+    assert resume_location("r", "ck", runs_root=str(runs)) == Path("ck")
+    assert resume_location("", "", runs_root=str(tmp_path / "none")) is None
+
+    def wm(**trainer) -> WorkerModeConfig:
+        return WorkerModeConfig(work_dir=str(tmp_path / "work"),
+                                trainer=TrainerConfig(**trainer))
+
+    assert with_run_dir(wm(resume=True)).trainer.run_dir == str(newest)
+    fresh = with_run_dir(wm()).trainer.run_dir
+    assert Path(fresh).parent == runs and Path(fresh).name not in os.listdir(runs)
+    assert with_run_dir(wm(run_dir="mine", resume=True)).trainer.run_dir == "mine"
+    with pytest.raises(ConfigError, match="--resume: no run under .* has a checkpoint"):
+        with_run_dir(WorkerModeConfig(work_dir=str(tmp_path / "empty"),
+                                      trainer=TrainerConfig(resume=True)))

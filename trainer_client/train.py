@@ -8,6 +8,7 @@ trainer wait / decode-to-MFG / host-to-device / forward-backward).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -46,6 +47,7 @@ from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, m
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.models import build_model
+from trainer_client.node_embedding import NodeEmbedding
 from trainer_client.run_dir import (
     RunFiles,
     broadcast_bytes,
@@ -253,7 +255,7 @@ class Run:
     cache: FeatureCache | None
     files: RunFiles  # names on every rank; rank 0 writes
     ckpt: Checkpointer
-    emb: Any = None  # trainer_client.node_embedding.NodeEmbedding when --node-emb-dim > 0
+    emb: NodeEmbedding | None = None  # --node-emb-dim > 0
     show: bool = False
 
     @property
@@ -291,7 +293,7 @@ def _inputs(run: Run, mfg) -> Tensor:
     x = mfg[0].srcdata["feat"].float()
     if run.emb is None:
         return x
-    return torch.cat([x, run.emb.lookup(mfg.input_nodes).to(x.device)], dim=1)
+    return torch.cat([x, run.emb.lookup(mfg.input_nodes, device=x.device)], dim=1)
 
 
 @torch.no_grad()
@@ -512,16 +514,12 @@ def _plan_run(cfg: TrainerConfig, ddp: DDPSetup, device, info) -> tuple[dict, di
 
 
 def _model_spec(cfg: TrainerConfig, info) -> dict:
-    spec = {"name": cfg.model, "in_feats": info.feat_dim + _emb_dim(cfg), "hidden": cfg.hidden,
+    spec = {"name": cfg.model, "in_feats": info.feat_dim + cfg.node_emb_dim, "hidden": cfg.hidden,
             "num_classes": info.num_classes, "num_layers": len(cfg.fanouts),
             "dropout": cfg.dropout}
     if cfg.model == "gat":
         spec["heads"] = cfg.gat_heads
     return spec
-
-
-def _emb_dim(cfg: TrainerConfig) -> int:
-    return int(getattr(cfg, "node_emb_dim", 0))  # INTEGRATE(H): cfg.node_emb_dim once added
 
 
 def _make_cache(cfg: TrainerConfig, pool: ServerPool, info, device) -> FeatureCache | None:
@@ -539,11 +537,11 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
     """The training loader and the valid/test loaders (splits too small for every rank to get
     a seed are not evaluated)."""
     splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
-    # INTEGRATE(S): add deterministic=cfg.deterministic_sampling once the loader takes it.
+    # Deterministic sampling: the same MFGs in a resumed run as in an uninterrupted one.
     common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                   max_inflight=cfg.max_inflight, device=device,
                   feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
-                  ring=ring)
+                  ring=ring, deterministic=cfg.deterministic_sampling)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
                                batch_size=cfg.batch_size, shuffle=True, **common)
     eval_fanouts = cfg.eval_fanouts or cfg.fanouts
@@ -553,11 +551,16 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
     return train, evals
 
 
-def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info):
-    """The server-held learnable node embedding (``--node-emb-dim``), or None."""
-    if _emb_dim(cfg) <= 0:
+def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info, run_dir: str):
+    """The server-held learnable node embedding (``--node-emb-dim``), or None. Its table is
+    named after the run directory: a new run starts from fresh rows even on servers that
+    outlived an earlier run, a resumed run finds (and overwrites) its own."""
+    if cfg.node_emb_dim <= 0:
         return None
-    raise ConfigError("--node-emb-dim needs trainer_client.node_embedding (not in this build)")
+    name = "node_emb-" + hashlib.sha1(run_dir.encode()).hexdigest()[:16]
+    return NodeEmbedding(pool, name, info.num_nodes, cfg.node_emb_dim, lr=cfg.node_emb_lr,
+                         seed=cfg.seed, node_offsets=info.node_offsets,
+                         max_message_bytes=cfg.max_message_mb << 20)
 
 
 def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, plan: dict,
@@ -573,7 +576,7 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
                net=net, opt=opt, sched=make_scheduler(opt, cfg), train_loader=train,
                eval_loaders=evals, cache=cache, files=files,
                ckpt=Checkpointer(plan["checkpoint_dir"], cfg.checkpoint_every, ddp.rank == 0),
-               emb=_make_embedding(cfg, pool, info), show=cfg.progress and ddp.rank == 0)
+               emb=_make_embedding(cfg, pool, info, plan["run_dir"]), show=cfg.progress and ddp.rank == 0)
 
 
 def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
@@ -603,6 +606,10 @@ def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
         if ckpt is not None:
             run.files.truncate_metrics(fit.start_epoch - 1)
             log.info("resuming from %s after epoch %d", plan["checkpoint"], fit.start_epoch)
+            if not run.cfg.deterministic_sampling:
+                log.warning("--no-deterministic-sampling: the servers sample other MFGs than "
+                            "the interrupted run would have; the result will differ from an "
+                            "uninterrupted run's")
         log.info("run directory: %s", run.files.dir)
     return fit
 
@@ -617,7 +624,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
               for name, v in zip(local, _all_sum(list(local.values()), ddp, device))}
     remote_requests, remote_bytes = _all_sum(
         [st.server.remote_requests, st.server.remote_bytes], ddp, device)
-    emb_bytes = run.emb.nbytes_per_server() if run.emb is not None else None
+    emb_bytes = _release_embedding(run)
     pool.close()
     bytes_rx = _all_sum([pool.bytes_received], ddp, device)[0]
     epochs_done = fit.history[-1]["epoch"] + 1 if fit.history else 0
@@ -645,7 +652,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "device": str(device),
         "stages_s": stages,
         "shm_ring": _ring_summary(run, ring),
-        "node_embedding": ({"dim": _emb_dim(cfg), "bytes_per_server": emb_bytes}
+        "node_embedding": ({"dim": cfg.node_emb_dim, "bytes_per_server": emb_bytes}
                            if emb_bytes is not None else None),
         "final_loss": round(fit.history[-1]["loss"], 4) if fit.history else None,
         "config": {k: v for k, v in to_dict(cfg).items()
@@ -653,6 +660,18 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "run_dir": str(run.files.dir),
         "files": run.files.files(run.ckpt.kept, fit.best["epoch"] >= 0),
     }
+
+
+def _release_embedding(run: Run) -> dict | None:
+    """Bytes per server of the node embedding, which rank 0 then frees on the servers (every
+    rank is past its last update: this follows a collective after the last epoch). Its rows
+    live on in the checkpoints."""
+    if run.emb is None:
+        return None
+    nbytes = {str(part): n for part, n in run.emb.nbytes_per_server().items()}
+    if run.writer:
+        run.emb.tensor.drop()
+    return nbytes
 
 
 def _cache_summary(run: Run) -> dict | None:
