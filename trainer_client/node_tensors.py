@@ -132,15 +132,8 @@ class DistNodeTensor:
         """Every row (``"data"``, global id order) and the servers' optimizer state of each
         (``"sum"``; ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``), plus ``"hparams"`` (lr,
         beta1, beta2, eps as float64), read in rounds of at most the max message size."""
-        ids = torch.arange(self.num_nodes)
-        out = {"data": torch.empty((self.num_nodes, *self.row_shape), dtype=self.dtype)}
-        for n, dtype, shape in state_layout(self.spec):
-            out[n] = torch.empty((self.num_nodes, *shape), dtype=dtype)
-        for s in self._rounds(self.num_nodes, _ID_BYTES + row_nbytes(self.spec)):
-            for name, t in zip(self.state_names(), self._gather(ids[s], with_state=True)):
-                out[name][s] = t
-        out["hparams"] = self._hparams()
-        return out
+        parts = self._gather(torch.arange(self.num_nodes), with_state=True)
+        return {**dict(zip(self.state_names(), parts)), "hparams": self._hparams()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Write rows and optimizer state of :meth:`state_dict` back exactly. A key, shape,
