@@ -88,16 +88,17 @@ def ask_all(cluster: ClusterSpec, timeout_s: float, curve: CurveKeys | None
     ``timeout_s`` seconds together."""
     ctx = zmq.Context()
     deadline = Deadline(timeout_s)
+    servers = [(part, replica, ep) for part in sorted(cluster.partitions)
+               for replica, ep in enumerate(cluster.partitions[part])]
     channels: list[RpcChannel] = []
     try:
-        for _, ep in cluster.all_endpoints():
+        for _, _, ep in servers:
             channels.append(RpcChannel(ctx, ep, timeout_s=timeout_s, setting=SETTING,
                                        curve=curve))
             channels[-1].send(StatusRequest())
         answers = wait_all(channels, deadline)
-        return [outcome(part, cluster.partitions[part].index(ep), ep,
-                        answers.get(i) or _silent(channels[i], timeout_s))
-                for i, (part, ep) in enumerate(cluster.all_endpoints())]
+        return [outcome(part, replica, ep, answers.get(i) or _silent(channels[i], timeout_s))
+                for i, (part, replica, ep) in enumerate(servers)]
     finally:
         for ch in channels:
             ch.close()

@@ -50,6 +50,8 @@ from common.messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
+    StatusReply,
+    StatusRequest,
     TensorCreate,
     TensorDrop,
     TensorInfo,
@@ -158,6 +160,14 @@ def examples() -> dict[MsgType, Message]:
         MsgType.TENSOR_UPDATE: TensorUpdate(name="emb", ids=torch.tensor([3, 3]),
                                             grads=torch.randn(2, 4, dtype=torch.float64)),
         MsgType.TENSOR_DROP: TensorDrop(name="emb"),
+        MsgType.STATUS_REQ: StatusRequest(),
+        MsgType.STATUS: StatusReply(
+            part_id=1, num_parts=2, dataset="synthetic", set_id="ab12", server_id="0123abcd",
+            pid=4242, host="node-7", protocol_version=PROTOCOL_VERSION, uptime_s=75.5,
+            stats={"requests": 40.0, "mem_rss_bytes": 1e8}, window_s=59.5,
+            window={"requests": 12.0, "seeds_served": 384.0}, pss_available=True, trainers=2,
+            peers=1, queue_peak=3, queue_limit=64, error_codes={"busy": 2.0}, sampler_kind="processes",
+            samplers=2, samplers_alive=1, node_tensor_bytes=4096),
     }
 
 
