@@ -76,6 +76,7 @@ def test_early_stopping_counts_evaluations_without_improvement():
     (["--checkpoint-every", "-2"], "--checkpoint-every must be >= 0 (0: off), got -2"),
     (["--lr-step-epochs", "0"], "--lr-step-epochs must be >= 1, got 0"),
     (["--gat-heads", "0"], "--gat-heads must be >= 1, got 0"),
+    (["--eval", "full", "--node-emb-dim", "8"], "--eval full reads the served features only"),
 ])
 def test_bad_control_values_are_named(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -102,19 +103,23 @@ def test_unknown_choices_name_the_option_and_the_accepted_values(capsys):
 
 @pytest.mark.timeout(300)
 def test_patience_stops_every_rank_at_the_same_epoch(synth_parts1, server_factory, tmp_path):
-    """lr 0 and full-neighbour evaluation: the validation accuracy never changes after the
-    first evaluation, so patience 2 stops after epoch 2 of 8, on both ranks."""
+    """lr 0 and full-graph evaluation (--eval full: layer-wise inference, no sampling): the
+    validation accuracy never changes after the first evaluation, so patience 2 stops after
+    epoch 2 of 8, on both ranks."""
     server = server_factory(synth_parts1, 0)
     cluster = cluster_file(tmp_path, {0: [server.endpoint]})
     run = tmp_path / "run"
     outs = finish(start_trainers(cluster, ["--epochs", "8", "--lr", "0", "--patience", "2",
-                                           "--eval-fanouts=-1,-1", "--checkpoint-every",
+                                           "--eval", "full", "--checkpoint-every",
                                            "5", "--run-dir", run], world_size=2), 240)
     for rank, (_, err) in enumerate(outs):
         assert f"rank {rank}: early stopping after epoch 2" in err, err[-3000:]
     summary = json.loads(outs[0][0].strip().splitlines()[-1])
     assert summary["stopped_early"] and summary["epochs_done"] == 3, summary
-    assert [m["epoch"] for m in metrics(run)] == [0, 1, 2]
+    records = metrics(run)
+    assert [m["epoch"] for m in records] == [0, 1, 2]
+    assert all(m["eval"] == "full" and 0 < m["valid_acc"] <= 1 for m in records)
+    assert len({m["valid_acc"] for m in records}) == 1
     # The early-stopped epoch is checkpointed (not only every 5th), with the stop recorded.
     ckpt = torch.load(run / "checkpoints" / "epoch-000003.pt", weights_only=True)
     assert ckpt["early_stop"] == {"bad_evals": 2, "stopped": True}
@@ -146,6 +151,7 @@ def test_worker_mode_run_directory_schedule_and_clipping(synth_parts1, tmp_path)
     cfg = TrainerConfig(cluster="c", epochs=3, lr_schedule="cosine")
     assert [r["lr"] for r in records] == pytest.approx([scheduled_lr(cfg, e) for e in range(3)])
     for r in records:  # a norm far above 0.001: every step was clipped, the norm recorded
+        assert r["eval"] == "sampled" and "valid_acc" in r
         assert r["clipped_steps"] >= 1 and r["grad_norm_max"] > 0.001, r
         assert r["seeds_per_s"] > 0 and r["bytes_received"] > 0 and r["stages_s"]
     assert summary["files"]["checkpoints"] == [] and not (run / "checkpoints").exists()

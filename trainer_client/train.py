@@ -45,6 +45,7 @@ from trainer_client.checkpoint import (
 )
 from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, make_scheduler
 from trainer_client.feature_cache import FeatureCache
+from trainer_client.inference import full_graph_eval
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.models import build_model
 from trainer_client.node_embedding import NodeEmbedding
@@ -252,6 +253,7 @@ class Run:
     sched: Any
     train_loader: DistNodeDataLoader
     eval_loaders: dict
+    splits: dict  # split name -> seed ids (--eval full reads valid and test)
     cache: FeatureCache | None
     files: RunFiles  # names on every rank; rank 0 writes
     ckpt: Checkpointer
@@ -392,9 +394,11 @@ def _evaluate_epoch(run: Run, fit: FitState, epoch: int, record: dict) -> None:
 
 
 def _full_eval(run: Run) -> dict:
-    """``--eval full``: layer-wise full-neighbour inference (helper C's module)."""
-    raise ConfigError("--eval full needs trainer_client.inference.full_graph_eval, which this "
-                      "build does not have yet; use --eval sampled")
+    """``--eval full``: layer-wise full-neighbour inference over the graph (every rank)."""
+    return full_graph_eval(run.model, run.pool, run.info, run.splits,
+                           batch_size=run.cfg.eval_batch_size, device=run.device,
+                           rank=run.ddp.rank, world_size=run.ddp.world_size, progress=run.show,
+                           max_message_bytes=run.cfg.max_message_mb << 20)
 
 
 def _run_epoch(run: Run, fit: FitState, epoch: int) -> dict:
@@ -533,10 +537,9 @@ def _make_cache(cfg: TrainerConfig, pool: ServerPool, info, device) -> FeatureCa
 
 
 def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, cache,
-                  ring) -> tuple[DistNodeDataLoader, dict]:
+                  ring, splits: dict) -> tuple[DistNodeDataLoader, dict]:
     """The training loader and the valid/test loaders (splits too small for every rank to get
     a seed are not evaluated)."""
-    splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
     # Deterministic sampling: the same MFGs in a resumed run as in an uninterrupted one.
     common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                   max_inflight=cfg.max_inflight, device=device,
@@ -570,11 +573,12 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
     net = DDP(model) if ddp.world_size > 1 else model
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     cache = _make_cache(cfg, pool, info, device)
-    train, evals = _make_loaders(cfg, ddp, device, pool, info, cache, ring)
+    splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
+    train, evals = _make_loaders(cfg, ddp, device, pool, info, cache, ring, splits)
     files = RunFiles(plan["run_dir"])
     return Run(cfg=cfg, ddp=ddp, device=device, info=info, pool=pool, spec=spec, model=model,
                net=net, opt=opt, sched=make_scheduler(opt, cfg), train_loader=train,
-               eval_loaders=evals, cache=cache, files=files,
+               eval_loaders=evals, splits=splits, cache=cache, files=files,
                ckpt=Checkpointer(plan["checkpoint_dir"], cfg.checkpoint_every, ddp.rank == 0),
                emb=_make_embedding(cfg, pool, info, plan["run_dir"]), show=cfg.progress and ddp.rank == 0)
 
