@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 import psutil
 import pytest
 from netns import netns_hosts
-from procs import REPO, clean_env, free_ports, tail
+from procs import REPO, clean_env, communicate_all, tail
 
 LAUNCH = REPO / "deploy" / "ssh" / "launch.sh"
 SBATCH = REPO / "deploy" / "slurm" / "mfgserve.sbatch"
@@ -123,6 +124,26 @@ class Hosts:
     namespaces: list[str]
     addrs: list[str]
     iface: str  # the interface gloo must use between hosts
+
+    def ports(self, n: int) -> list[int]:
+        """``n`` ports free on every host, below the ephemeral range: a fixed server port in
+        that range can be taken by a TCP self-connect (a client connecting to the port before
+        the server binds it), so real deployments use ports like 15550 and so do the tests."""
+        if all(self.namespaces):
+            return list(range(15550, 15550 + n))  # fresh namespaces: every port is free
+        for start in range(20000 + os.getpid() % 5000, 32000, 7):
+            socks = []
+            try:
+                for port in range(start, start + n):  # free on every address
+                    socks.append(socket.socket())
+                    socks[-1].bind(("0.0.0.0", port))
+                return list(range(start, start + n))
+            except OSError:
+                continue
+            finally:
+                for s in socks:
+                    s.close()
+        raise AssertionError("no free ports below 32000")
 
     def leftovers(self) -> dict[str, list[int]]:
         """Processes still running in the hosts' namespaces (none must survive a job)."""
@@ -273,7 +294,7 @@ def write_hosts(path: Path, hosts: Hosts, roles: list[str]) -> Path:
 
 def ssh_launch(tmp_path: Path, hosts: Hosts, roles: list[str], parts: Path,
                epochs: int) -> Launch:
-    port_base, master_port = free_ports(2)
+    port_base, _, master_port = hosts.ports(3)  # parts 0 and 1, then the DDP master
     job_dir = tmp_path / "job"
     argv = ["bash", str(LAUNCH), "--hosts", str(write_hosts(tmp_path / "hosts.txt", hosts, roles)),
             "--parts", str(parts), "--job-dir", str(job_dir), "--port-base", str(port_base),
@@ -290,7 +311,7 @@ def slurm_launch(tmp_path: Path, hosts: Hosts, parts: Path, epochs: int) -> Laun
                SLURM_JOB_NUM_NODES=str(len(hosts.names)), SLURM_SUBMIT_DIR=str(tmp_path),
                MFGSERVE_REPO=str(REPO), MFGSERVE_PARTS=str(parts),
                MFGSERVE_JOB_DIR=str(job_dir), MFGSERVE_SERVER_NODES="1",
-               MFGSERVE_MASTER_PORT=str(free_ports(1)[0]),
+               MFGSERVE_MASTER_PORT=str(hosts.ports(1)[0]),
                MFGSERVE_STOP_TIMEOUT_S=str(STOP_TIMEOUT_S),
                MFGSERVE_TRAIN_ARGS=" ".join([*TRAIN_ARGS, "--epochs", str(epochs)]),
                GLOO_SOCKET_IFNAME=hosts.iface)
@@ -340,8 +361,8 @@ def test_ssh_launcher_failed_server_node_stops_the_job(synth_parts2, tmp_path):
         with running(ssh_launch(tmp_path, hosts, ["server", "server", "trainer"],
                                 synth_parts2, epochs=10_000)) as launch:
             launch.wait_training()
-            victim = [p for p in launch.sample()
-                      if "server-node" in " ".join(p.cmdline())
+            victim = [p for p in launch.sample()  # python .venv/bin/server-node ... --host B
+                      if p.cmdline()[1:2] and p.cmdline()[1].endswith("/server-node")
                       and hosts.addrs[1] in p.cmdline()]
             assert len(victim) == 1, [p.cmdline() for p in launch.sample()]
             victim[0].kill()  # the host's server-node dies; its servers die with it
@@ -402,18 +423,25 @@ def test_launcher_rejects_bad_input(tmp_path):
 
 
 CLI_OF = ("server-node", "trainer-client", "worker-mode", "torchrun", "partition-ogbn")
+UNCHECKED = ("sbatch", "srun", "ssh", "kill")  # their options end the previous command's
 
 
 def _documented_options() -> dict[str, set[str]]:
     """{command: --options it is given} in docs/deploy.md's code blocks and the scripts."""
-    text = "\n".join(re.findall(r"```(?:bash|sh)?\n(.*?)```", DOC.read_text(), re.S))
+    text = "\n".join(code for lang, code in re.findall(r"```(\w*)\n(.*?)```", DOC.read_text(),
+                                                       re.S) if lang in ("bash", "sh", ""))
     text += "".join(p.read_text() for p in (LAUNCH, SBATCH))
     text = text.replace("\\\n", " ")
+    # launch.sh passes what follows "--" to trainer-client, the batch script MFGSERVE_TRAIN_ARGS
+    text = text.replace(" -- ", " trainer-client ").replace("_TRAIN_ARGS=\"", " trainer-client ")
     found: dict[str, set[str]] = {c: set() for c in CLI_OF}
     for line in text.splitlines():
         # split a line at each command name; options up to the next command belong to it
-        parts = re.split(r"(?:^|[\s/\"])(" + "|".join(CLI_OF) + r")[\")]?(?=\s)", line)
+        parts = re.split(r"(?:^|[\s/\"])(" + "|".join((*CLI_OF, *UNCHECKED))
+                         + r")[\")]?(?=\s)", line)
         for cmd, rest in zip(parts[1::2], parts[2::2]):
+            if cmd in UNCHECKED:
+                continue
             found[cmd] |= set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest))
     return found
 
@@ -423,12 +451,12 @@ def test_documented_commands_use_real_options():
     found = _documented_options()
     assert found["server-node"] and found["trainer-client"] and found["torchrun"], found
     venv_bin = Path(sys.executable).parent
-    for cmd, opts in found.items():
-        if not opts:
-            continue
-        helps = subprocess.run([str(venv_bin / cmd), "--help"], capture_output=True,
-                               text=True, timeout=90, env=clean_env())
-        assert helps.returncode == 0, helps.stderr
-        missing = {o for o in opts
-                   if not re.search(re.escape(o) + r"(?![\w-])", helps.stdout)}
+    cmds = [c for c in CLI_OF if found[c]]
+    helps = communicate_all([subprocess.Popen([str(venv_bin / c), "--help"], text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              stdin=subprocess.DEVNULL, env=clean_env())
+                             for c in cmds], timeout=100)
+    for cmd, (out, err) in zip(cmds, helps):
+        assert "usage:" in out, f"{cmd} --help: {err[-2000:]}"
+        missing = {o for o in found[cmd] if not re.search(re.escape(o) + r"(?![\w-])", out)}
         assert not missing, f"{cmd}: options not in its --help: {sorted(missing)}"
