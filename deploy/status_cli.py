@@ -7,7 +7,17 @@ server's IO thread even while its samplers are busy), and all of them together g
 --timeout-s seconds. A server that has not answered by then is reported down with what its
 connection's events say (common/rpc.py): connection refused (the process died or was
 stopped), connected but silent (frozen or overloaded), no answer at all (host unreachable),
-or a refused CurveZMQ handshake. Rates (req/s, seeds/s) are over each server's last minute.
+or a refused CurveZMQ handshake.
+
+Columns: state (up; error: it answered, but with an error instead of a status, e.g. an older
+server; wrong-part: it serves another part than the cluster file says; down: see the note
+under the table); trainers (trainer connections that sent a request within the last minute);
+req/s and seeds/s (over the last minute); queue now/peak/max (SAMPLE requests queued now, the
+most since start, the server's --max-queue); errors (error replies since start, by code);
+rss/pss (the server and its sampler processes; pss n/a where the platform cannot read it);
+samplers alive (alive/started, threads or processes); ring/wire (sample replies whose features
+went into a trainer's shared-memory ring / travelled on the wire). --json prints all of it
+and more (node tensor bytes, set id, host, pid, totals since start) as one document.
 
 Exit code: 0 when every part has at least one live server, 1 when some part has none (named
 on stderr), 2 for bad input (a missing or malformed cluster file, a bad option).

@@ -28,6 +28,7 @@ from rpc_helpers import channel
 from common.cluster import ClusterSpec
 from common.errors import RemoteError
 from common.messages import MFGReply, SampleRequest, SeedsReply, SeedsRequest
+from common.shm_ring import ShmRing
 from common.stats import ServerCounters, WindowedTally
 from deploy.status_cli import main as status_main
 
@@ -49,14 +50,22 @@ def status_here(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def sample_traffic(endpoint: str, ch) -> int:
-    """A few SAMPLE requests for the part's own train seeds and one bad one (a seed id out
-    of range); returns the number of good requests."""
+def sample_traffic(ch) -> int:
+    """A few SAMPLE requests for the part's own train seeds (the first with its features
+    gathered into a shared-memory ring slot, as for a trainer on the same host) and one bad
+    one (a seed id out of range); returns the number of good requests."""
     seeds = ch.call(SeedsRequest(split="train"))
     assert isinstance(seeds, SeedsReply) and seeds.seeds.numel() > 0
     batches = seeds.seeds[:96].split(32)
-    for batch in batches:
-        assert isinstance(ch.call(SampleRequest(seeds=batch, fanouts=[3, 3])), MFGReply)
+    ring = ShmRing(1, 4 << 20)
+    try:
+        for i, batch in enumerate(batches):
+            slot = ring.ref(ring.acquire()) if i == 0 else None
+            reply = ch.call(SampleRequest(seeds=batch, fanouts=[3, 3], slot=slot))
+            assert isinstance(reply, MFGReply)
+            assert (reply.mfg.only.feat.via == "ring") == (i == 0), reply.mfg.only.feat
+    finally:
+        ring.close()
     with pytest.raises(RemoteError, match="id_out_of_range"):
         ch.call(SampleRequest(seeds=torch.tensor([10**9]), fanouts=[3]))
     return len(batches)
@@ -73,7 +82,8 @@ def check_up(doc: dict, part: int, good: int) -> None:
     assert st["trainers"] >= 1, st  # the traffic's connection, seen within the minute
     assert st["error_codes"] == {"id_out_of_range": 1.0}, st["error_codes"]
     assert st["stats"]["mem_rss_bytes"] > 0 and st["samplers_alive"] == st["samplers"] >= 1
-    assert d["ring_replies"] + d["wire_replies"] == good, d  # no trainer ring here
+    assert (d["ring_replies"], d["wire_replies"]) == (1, good - 1), d
+    assert st["stats"]["ring_rows"] > 0, st["stats"]
     assert st["queue_limit"] > 0 and st["protocol_version"] > 0 and st["uptime_s"] > 0
 
 
@@ -86,7 +96,7 @@ def test_status_live_frozen_and_killed(synth_parts2, server_factory, tmp_path, c
     servers = [server_factory(synth_parts2, 0, cluster, endpoints[0], ["--sampler-procs", "1"]),
                server_factory(synth_parts2, 1, cluster, endpoints[1], ["--num-workers", "1"])]
     with channel(endpoints[0]) as ch0, channel(endpoints[1]) as ch1:
-        good = [sample_traffic(endpoints[0], ch0), sample_traffic(endpoints[1], ch1)]
+        good = [sample_traffic(ch0), sample_traffic(ch1)]
 
         code, table, err = status_here(capsys, "--cluster", str(cluster))
         assert code == 0, err
