@@ -54,6 +54,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
     torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"], rtol=1e-5,
                                atol=1e-6)
     assert b["scheduler"] == a["scheduler"] and b["best"]["epoch"] == a["best"]["epoch"]
+    torch.testing.assert_close(b["best_state"], a["best_state"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(400)
@@ -89,6 +90,9 @@ def test_killed_and_resumed_run_ends_like_an_uninterrupted_one(
     a = torch.load(whole / "checkpoints" / "epoch-000004.pt", weights_only=True)
     b = torch.load(parts / "checkpoints" / "epoch-000004.pt", weights_only=True)
     _assert_same_state(a, b)
+    best_a, best_b = (torch.load(d / "best_model.pt", weights_only=True) for d in (whole, parts))
+    assert best_b["epoch"] == best_a["epoch"] == a["best"]["epoch"]
+    torch.testing.assert_close(best_b["state_dict"], best_a["state_dict"], rtol=1e-5, atol=1e-6)
     # The resumed run's metrics continue the file: each epoch once, losses as uninterrupted.
     ma, mb = metrics(whole), metrics(parts)
     assert [m["epoch"] for m in mb] == [0, 1, 2, 3] == [m["epoch"] for m in ma]

@@ -7,7 +7,9 @@ uninterrupted run would be::
     {"format": "mfgserve-checkpoint/1", "epoch": epochs completed, "model": state_dict,
      "optimizer": ..., "scheduler": ... or {}, "rng": {"torch": ByteTensor},
      "config": the options that change the result (:func:`result_config`), "set_id",
-     "dataset", "world_size", "run_dir", "best": {...}, "history": [...],
+     "dataset", "world_size", "run_dir", "best": {...}, "best_state": the best model's
+     state_dict (rank 0 rewrites best_model.pt from it on resume: the killed run may have
+     saved a better model of an epoch after the checkpoint), "history": [...],
      "early_stop": {"bad_evals": int, "stopped": bool}, "node_tensors": {name: state}}
 
 Only tensors, dicts, lists, str, int, float, bool and None: ``torch.load(weights_only=True)``
@@ -144,12 +146,14 @@ def model_state(model: nn.Module) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def save_best_model(path: str | Path, model: nn.Module, spec: dict, epoch: int,
+def save_best_model(path: str | Path, model: nn.Module | dict, spec: dict, epoch: int,
                     valid_acc: float, set_id: str, dataset: str) -> Path:
-    """The best-validation model (``mfgserve-model/1``), loadable with weights_only=True and
-    rebuilt by ``trainer_client.models.build_model(spec)``."""
+    """The best-validation model (``mfgserve-model/1``; ``model``: a module or its
+    :func:`model_state`), loadable with weights_only=True and rebuilt by
+    ``trainer_client.models.build_model(spec)``."""
+    state = model_state(model) if isinstance(model, nn.Module) else model
     return save_atomic({"format": MODEL_FORMAT, "model_spec": dict(spec),
-                        "state_dict": model_state(model), "epoch": int(epoch),
+                        "state_dict": state, "epoch": int(epoch),
                         "valid_acc": float(valid_acc), "set_id": set_id,
                         "dataset": dataset}, path)
 

@@ -258,6 +258,7 @@ class Run:
     files: RunFiles  # names on every rank; rank 0 writes
     ckpt: Checkpointer
     emb: NodeEmbedding | None = None  # --node-emb-dim > 0
+    best_state: dict | None = None  # rank 0: the best model's tensors (for checkpoints)
     show: bool = False
 
     @property
@@ -385,12 +386,17 @@ def _evaluate_epoch(run: Run, fit: FitState, epoch: int, record: dict) -> None:
     if improved:
         fit.best = {"valid_acc": valid, "test_acc": record.get("test_acc", 0.0), "epoch": epoch}
         if run.writer:
-            save_best_model(run.files.best_model, run.model, run.spec, epoch, valid,
-                            run.info.set_id, run.info.dataset)
+            run.best_state = model_state(run.model)
+            _write_best(run, fit)
     if fit.early.update(improved) and epoch < cfg.epochs - 1:
         log.info("rank %d: early stopping after epoch %d: no better valid_acc in %d "
                  "evaluations (best %.4f at epoch %d)", run.ddp.rank, epoch, cfg.patience,
                  fit.best["valid_acc"], fit.best["epoch"])
+
+
+def _write_best(run: Run, fit: FitState) -> None:
+    save_best_model(run.files.best_model, run.best_state or {}, run.spec, fit.best["epoch"],
+                    fit.best["valid_acc"], run.info.set_id, run.info.dataset)
 
 
 def _full_eval(run: Run) -> dict:
@@ -459,6 +465,7 @@ def _save_checkpoint(run: Run, fit: FitState, done: int) -> None:
                  "scheduler": run.sched.state_dict() if run.sched is not None else {},
                  "rng": {"torch": torch.get_rng_state()}, **_identity(run.cfg, run.info, run.ddp),
                  "run_dir": str(run.files.dir), "best": dict(fit.best),
+                 "best_state": run.best_state or {},
                  "history": list(fit.history), "early_stop": fit.early.state(),
                  "node_tensors": ({"node_emb": run.emb.state_dict()}
                                   if run.emb is not None else {})}
@@ -609,6 +616,9 @@ def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
                                 "model_spec": run.spec})
         if ckpt is not None:
             run.files.truncate_metrics(fit.start_epoch - 1)
+            run.best_state = ckpt.get("best_state") or None
+            if run.best_state is not None:
+                _write_best(run, fit)  # the checkpoint's best, not a later one of the killed run
             log.info("resuming from %s after epoch %d", plan["checkpoint"], fit.start_epoch)
             if not run.cfg.deterministic_sampling:
                 log.warning("--no-deterministic-sampling: the servers sample other MFGs than "
