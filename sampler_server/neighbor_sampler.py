@@ -9,7 +9,10 @@ holding the whole graph.
 With a sample seed (>= 0) every hop and every part gets its own seed,
 ``derive_seed(sample_seed, hop, part)``: the part's own store samples with it, and a
 NeighborsRequest to another part's server carries it, so the MFG is the same whichever
-thread, process or replica serves the request (sampler_server/seeded_sampler.py).
+thread, process or replica serves the request (sampler_server/seeded_sampler.py). Without
+halos it is even the same whichever part's server receives it; with halos a server samples
+the halo nodes it holds itself, under its own part's seed (the loader sends a batch to the
+same part every time, so its MFG still repeats).
 """
 
 from __future__ import annotations

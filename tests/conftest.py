@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = REPO.parent / "shared" / "datasets"
 sys.path.insert(0, str(REPO / "tests"))
 
-from procs import ServerProcess  # noqa: E402
+from procs import ServerProcess, stop_all  # noqa: E402
 
 
 def shared_dataset(name: str) -> Path:
@@ -91,12 +91,4 @@ def server_factory(tmp_path):
         return proc
 
     yield start
-    errors = []
-    for p in started:  # stop every server, then report the first failure
-        if not p.checked:
-            try:
-                p.stop_and_check()
-            except AssertionError as e:
-                errors.append(e)
-    if errors:
-        raise errors[0]
+    stop_all(started)  # every server, then the first failure

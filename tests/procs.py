@@ -122,3 +122,18 @@ class ServerProcess:
         if expect_code is not None and code != expect_code:
             raise AssertionError(f"server exited with {code}:\n{tail(self.log)}")
         return code
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """Stop every server not stopped and checked yet, then raise the first failure (so one
+    bad exit does not leave the others running)."""
+    errors = []
+    for s in servers:
+        if s.checked:
+            continue
+        try:
+            s.stop_and_check()
+        except AssertionError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from procs import ServerProcess, stop_all
 from rpc_helpers import channel
 from scipy.stats import chisquare
 
@@ -21,6 +22,7 @@ from common.cluster import ClusterSpec
 from common.messages import MFGReply, SampleRequest
 from common.mfg import MFG
 from partition.layout import PartitionSetMeta
+from sampler_server.partition_store import PartitionStore
 from tests.test_mfg_oracle import Oracle, mixed_seeds
 from trainer_client.loader import DistNodeDataLoader, mfg_tensors
 from trainer_client.server_pool import ServerPool
@@ -68,11 +70,49 @@ def _cluster(tmp_path, layout: dict[int, int]) -> tuple[ClusterSpec, object]:
     return cluster, path
 
 
-def test_seeded_mfg_repeats_and_matches_graph(server_factory, synth_graph, synth_parts1,
-                                              tmp_path):
+def _start_all(parts, cluster: ClusterSpec, path, tmp_path, extra: dict[str, list[str]]
+               ) -> list[ServerProcess]:
+    """Every server of ``cluster`` started at once (``extra[endpoint]``: its own options),
+    then waited for."""
+    servers = [ServerProcess(parts, p, ep, path, tmp_path,
+                             ["--peer-timeout-s", "2", *extra.get(ep, [])])
+               for p, ep in cluster.all_endpoints()]
+    try:
+        for s in servers:
+            s.wait_ready()
+    except AssertionError:
+        stop_all(servers)
+        raise
+    return servers
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster(tmp_path_factory, synth_parts2):
+    """Two parts; part 0 has two replicas, one sampling in 2 threads and one in 2 sampler
+    processes; part 1 one server."""
+    tmp_path = tmp_path_factory.mktemp("mixed")
+    cluster, path = _cluster(tmp_path, {0: 2, 1: 1})
+    threads_ep, procs_ep = cluster.partitions[0]
+    servers = _start_all(synth_parts2, cluster, path, tmp_path, {
+        threads_ep: ["--num-workers", "2"], procs_ep: ["--sampler-procs", "2"]})
+    yield cluster
+    stop_all(servers)
+
+
+@pytest.fixture(scope="module")
+def replica_pair(tmp_path_factory, synth_parts1):
+    """One part served by two replicas: (cluster, servers)."""
+    tmp_path = tmp_path_factory.mktemp("pair")
+    cluster, path = _cluster(tmp_path, {0: 2})
+    servers = _start_all(synth_parts1, cluster, path, tmp_path, {})
+    yield cluster, servers
+    stop_all(servers)
+
+
+def test_seeded_mfg_repeats_and_matches_graph(replica_pair, synth_graph, synth_parts1):
     """One part: the same seed gives the same MFG, another seed another one, and both are
     valid samples (the DGL oracle of test_mfg_oracle); the unseeded path still works."""
-    ep = server_factory(synth_parts1, 0).endpoint
+    ep = replica_pair[0].partitions[0][1]  # the replica the failover test keeps alive
     oracle = Oracle(synth_graph, synth_parts1)
     seeds = mixed_seeds(synth_parts1, 60, 1)
     for fanouts in ([4, 3], [-1, 2, 5]):
@@ -86,24 +126,43 @@ def test_seeded_mfg_repeats_and_matches_graph(server_factory, synth_graph, synth
         assert not _same(first, other), "another sample seed gave the same MFG"
 
 
-def _check_uniform_across_parts(cluster: ClusterSpec, oracle: Oracle, parts) -> None:
-    """A node with in-neighbours in both parts, sampled with seeds 0..399 by the server of
-    the part that does not own it: each neighbour is picked with probability fanout/degree."""
-    offsets = PartitionSetMeta.load(parts).node_offsets
+def test_seeded_choice_uniform(synth_graph, synth_parts2):
+    """A high-degree node with in-neighbours in both parts, sampled with seeds 0..1999 by
+    its part's store: each neighbour is picked with probability fanout/degree (chi-square),
+    never one twice, and each seed's pick is the same every time."""
+    oracle = Oracle(synth_graph, synth_parts2)
+    offsets = PartitionSetMeta.load(synth_parts2).node_offsets
     owner = np.searchsorted(offsets, np.arange(oracle.n), side="right") - 1
-    v, nbrs = next((v, oracle.src[oracle.dst == v]) for v in np.argsort(-oracle.in_deg)[:200]
-                   if len(set(owner[oracle.src[oracle.dst == v]])) == 2
-                   and oracle.in_deg[v] >= 12)
-    fanout, rounds = 4, 400
-    reqs = [SampleRequest(seeds=torch.tensor([int(v)]), fanouts=[fanout], with_feat=False,
-                          with_label=False, sample_seed=s) for s in range(rounds)]
-    replies = _serve_all(cluster.partitions[1 - int(owner[v])][0], reqs, inflight=8)
-    picked = np.concatenate([r.mfg.input_nodes[r.mfg.layers[0].rels[0].indices].numpy()
-                             for r in replies])
-    assert picked.size == rounds * fanout and set(picked.tolist()) <= set(nbrs.tolist())
-    uniq = np.unique(nbrs)
+    v = next(v for v in np.argsort(-oracle.in_deg)[:200] if oracle.in_deg[v] >= 12
+             and len(set(owner[oracle.src[oracle.dst == v]])) == 2)
+    store = PartitionStore(str(synth_parts2), int(owner[v]))
+    node, fanout, rounds = torch.tensor([int(v)]), 4, 2000
+    picks = [store.sample_neighbors(node, fanout, seed)[1] for seed in range(rounds)]
+    assert torch.equal(picks[7], store.sample_neighbors(node, fanout, 7)[1])
+    assert all(torch.unique(p).numel() == fanout for p in picks)
+    picked = torch.cat(picks).numpy()
+    uniq = np.unique(oracle.src[oracle.dst == v])
+    assert set(picked.tolist()) <= set(uniq.tolist())
     observed = np.array([(picked == u).sum() for u in uniq])
     assert chisquare(observed, np.full(uniq.size, rounds * fanout / uniq.size)).pvalue > 1e-4
+
+
+def test_seeded_halo_sample_repeats_and_is_valid(synth_graph, synth_parts2_halo):
+    """A store with a halo answers for owned and halo nodes together: seeded, the same
+    sample every time, min(in-degree, fanout) distinct in-neighbours each."""
+    oracle = Oracle(synth_graph, synth_parts2_halo)
+    store = PartitionStore(str(synth_parts2_halo), 0)
+    nodes = torch.cat([torch.arange(store.start, store.end)[::7], store.halo_nodes[::3]])
+    assert store.halo_nodes.numel() > 0 and not store.all_owned(nodes)
+    counts, src = store.sample_neighbors(nodes, 3, 11)
+    again = store.sample_neighbors(nodes, 3, 11)
+    assert torch.equal(counts, again[0]) and torch.equal(src, again[1])
+    assert not torch.equal(src, store.sample_neighbors(nodes, 3, 12)[1])
+    ids = nodes.numpy()
+    assert np.array_equal(counts.numpy(), np.minimum(oracle.in_deg[ids], 3))
+    dst = np.repeat(ids, counts.numpy())
+    keys = dst * oracle.n + src.numpy()
+    assert np.isin(keys, oracle.edge_keys).all() and np.unique(keys).size == keys.size
 
 
 def _concurrent(endpoints: list[str], reqs: list[SampleRequest], clients: int) -> list:
@@ -115,18 +174,11 @@ def _concurrent(endpoints: list[str], reqs: list[SampleRequest], clients: int) -
 
 
 def test_seeded_mfg_same_from_threads_processes_replicas_and_parts(
-        server_factory, synth_graph, synth_parts2, tmp_path):
-    """Part 0 has two replicas, one sampling in 2 threads and one in 2 sampler processes;
-    part 1 one server. A seeded request gives the same MFG from all three servers (the one
-    of part 1 samples part 0's nodes through NEIGHBORS requests), also while several clients
-    load them at once."""
-    cluster, path = _cluster(tmp_path, {0: 2, 1: 1})
-    (threads_ep, procs_ep), (other_ep,) = cluster.partitions[0], cluster.partitions[1]
-    server_factory(synth_parts2, 0, cluster=path, endpoint=threads_ep,
-                   extra=["--num-workers", "2"])
-    server_factory(synth_parts2, 0, cluster=path, endpoint=procs_ep,
-                   extra=["--sampler-procs", "2"])
-    server_factory(synth_parts2, 1, cluster=path, endpoint=other_ep)
+        mixed_cluster, synth_graph, synth_parts2):
+    """A seeded request gives the same MFG from all three servers (the one of part 1 samples
+    part 0's nodes through NEIGHBORS requests, and the other way round), also while several
+    clients load them at once."""
+    (threads_ep, procs_ep), (other_ep,) = mixed_cluster.partitions.values()
     oracle = Oracle(synth_graph, synth_parts2)
     reqs = _requests(synth_parts2, 6)
     reference = _serve_all(threads_ep, reqs)
@@ -139,7 +191,6 @@ def test_seeded_mfg_same_from_threads_processes_replicas_and_parts(
         assert all(_same(w, g) for w, g in zip(want, got)), f"{ep} sampled other MFGs"
     for replies in _concurrent([threads_ep, procs_ep, other_ep], reqs, clients=4):
         assert all(_same(w, _tensors(g)) for w, g in zip(want, replies))
-    _check_uniform_across_parts(cluster, oracle, synth_parts2)
 
 
 def _epoch(loader: DistNodeDataLoader, on_batch=None) -> list[list[torch.Tensor]]:
@@ -151,19 +202,16 @@ def _epoch(loader: DistNodeDataLoader, on_batch=None) -> list[list[torch.Tensor]
     return out
 
 
-def test_loader_failover_resend_keeps_the_mfgs(server_factory, synth_parts2, tmp_path):
-    """A deterministic loader's epoch gives the same MFGs when a replica of part 0 dies in
-    the middle of it (its requests in flight re-sent to the other replica with their seed)."""
-    cluster, path = _cluster(tmp_path, {0: 2, 1: 1})
-    servers = {ep: server_factory(synth_parts2, p, cluster=path, endpoint=ep,
-                                  extra=["--peer-timeout-s", "2"])
-               for p, ep in cluster.all_endpoints()}
-    victim = servers[cluster.partitions[0][0]]
+def test_loader_failover_resend_keeps_the_mfgs(replica_pair):
+    """A deterministic loader's epoch gives the same MFGs when one of the part's two
+    replicas dies in the middle of it (its requests in flight re-sent to the other replica
+    with their seed)."""
+    cluster, servers = replica_pair
+    victim = servers[0]
     pool = ServerPool(cluster, timeout_s=60, max_message_bytes=64 << 20)
     try:
-        pool.info()
-        loader = DistNodeDataLoader(pool, pool.seeds("train"),
-                                    PartitionSetMeta.load(synth_parts2).node_offsets,
+        num_nodes = pool.info().num_nodes
+        loader = DistNodeDataLoader(pool, pool.seeds("train"), [0, num_nodes],
                                     fanouts=[5, 5], batch_size=40, max_inflight=6, seed=3)
         assert len(loader) >= 10
         first = _epoch(loader)
@@ -181,10 +229,10 @@ def test_loader_failover_resend_keeps_the_mfgs(server_factory, synth_parts2, tmp
         assert pool.failovers >= 1, "no request was re-sent"
         assert len(first) == len(second)
         assert all(_same(a, b) for a, b in zip(first, second)), "failover changed an MFG"
+        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
     finally:
+        victim.stop_and_check(expect_code=None)  # killed on purpose (or to end the test)
         pool.close()
-    assert victim.proc.wait(timeout=10) == -signal.SIGKILL
-    victim.stop_and_check(expect_code=None)
 
 
 def _loader(**kw) -> DistNodeDataLoader:
