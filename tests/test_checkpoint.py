@@ -135,6 +135,7 @@ def test_mismatched_or_missing_checkpoint_is_refused(synth_graph, synth_parts1, 
         "set": start_trainers(cluster_other, ["--epochs", "2", "--run-dir", run, "--resume"]),
         "missing": start_trainers(cluster, ["--epochs", "2", "--run-dir", tmp_path / "none",
                                             "--resume"]),
+        "reused": start_trainers(cluster, ["--epochs", "2", "--run-dir", run]),  # no --resume
     }
     errors = {k: finish(p, 200, codes=2)[0][1] for k, p in refused.items()}
     for err in errors.values():
@@ -143,7 +144,9 @@ def test_mismatched_or_missing_checkpoint_is_refused(synth_graph, synth_parts1, 
     assert "partition set (set_id): checkpoint" in errors["set"], errors["set"][-3000:]
     assert "--hidden" not in errors["set"]
     assert "no checkpoint (epoch-*.pt) in" in errors["missing"], errors["missing"][-3000:]
-    assert len(metrics(run)) == 1, "a refused resume must not touch the run directory"
+    assert "metrics.jsonl exists: another run used this directory; continue it with " \
+           "--resume" in errors["reused"], errors["reused"][-3000:]
+    assert len(metrics(run)) == 1, "a refused run must not touch the run directory"
 
 
 def _expected(cfg: TrainerConfig) -> dict:

@@ -3,7 +3,17 @@
 The summary (a dict; rank 0 prints it as one JSON line) reports accuracy (``test_acc`` at the
 epoch of best ``valid_acc``), throughput (``seeds_per_s`` over all ranks' training time) and
 per-stage seconds summed over the run (``stages``: server sample / gather / remote / encode,
-trainer wait / decode-to-MFG / host-to-device / forward-backward).
+trainer wait / decode-to-MFG / host-to-device / forward-backward), and names the run
+directory and its files (``run_dir``, ``files``).
+
+Every epoch: torch's RNG is reseeded from (seed, epoch, rank); the epoch trains (gradients
+checked for NaN/inf, then clipped with ``--grad-clip``); valid/test accuracy is measured when
+due (``--eval sampled|full``), best_model.pt saved when it improves and ``--patience``
+updated; the learning-rate schedule steps; rank 0 appends the epoch's line to metrics.jsonl;
+a checkpoint is written when due. With ``--resume`` the newest checkpoint is loaded first
+(trainer_client/run_dir.py says where it is looked for, trainer_client/checkpoint.py what it
+holds), and the run continues exactly where the interrupted one was: the same seeds shuffled,
+the same MFGs sampled (``--deterministic-sampling``), the same dropout masks.
 """
 
 from __future__ import annotations
@@ -480,8 +490,14 @@ def _resolve_plan(cfg: TrainerConfig) -> dict:
     """Rank 0: the run directory and, with --resume, the checkpoint to continue from."""
     if not cfg.resume:
         run_dir = cfg.run_dir or str(Path("runs") / new_run_name())
-        return {"run_dir": run_dir, "checkpoint_dir": str(checkpoint_dir_of(
-            run_dir, cfg.checkpoint_dir))}
+        ckdir = checkpoint_dir_of(run_dir, cfg.checkpoint_dir)
+        taken = [p for p in (Path(run_dir) / "metrics.jsonl", *list_checkpoints(ckdir))
+                 if p.exists()]
+        if taken:  # appending to its metrics or pruning its checkpoints would spoil it
+            return {"error": f"{taken[0]} exists: another run used this directory; continue "
+                             "it with --resume, or give this run another --run-dir / "
+                             "--checkpoint-dir"}
+        return {"run_dir": run_dir, "checkpoint_dir": str(ckdir)}
     ckdir = resume_location(cfg.run_dir, cfg.checkpoint_dir)
     if ckdir is None:
         return {"error": "--resume: no run under ./runs has a checkpoint; name the run to "
