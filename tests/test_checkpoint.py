@@ -28,7 +28,7 @@ from trainer_client.checkpoint import (
     result_config,
     save_atomic,
 )
-from trainer_client.run_dir import resume_location
+from trainer_client.run_dir import RunFiles, resume_location
 
 # Same result-changing options in every run of a test; --epochs and --run-dir vary.
 RESULT = ["--checkpoint-every", "1", "--lr-schedule", "step", "--lr-step-epochs", "2",
@@ -239,3 +239,14 @@ def test_resume_finds_the_newest_run_with_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="--resume: no run under .* has a checkpoint"):
         with_run_dir(WorkerModeConfig(work_dir=str(tmp_path / "empty"),
                                       trainer=TrainerConfig(resume=True)))
+
+
+def test_resumed_metrics_drop_epochs_after_the_checkpoint_and_torn_lines(tmp_path):
+    files = RunFiles(tmp_path / "run")
+    files.create()
+    for epoch in range(4):
+        files.append_metrics({"epoch": epoch, "loss": 1.0 / (epoch + 1)})
+    with open(files.metrics, "a") as f:
+        f.write('{"epoch": 4, "lo')  # killed in the middle of a line
+    files.truncate_metrics(after_epoch=1)
+    assert [m["epoch"] for m in metrics(tmp_path / "run")] == [0, 1]

@@ -122,11 +122,17 @@ class RunFiles:
 
     def truncate_metrics(self, after_epoch: int) -> None:
         """Drop lines of epochs after ``after_epoch`` (a resumed run repeats those epochs:
-        the killed run may have logged epochs its last checkpoint does not hold)."""
+        the killed run may have logged epochs its last checkpoint does not hold), and a line
+        the killed run left half written."""
         if not self.metrics.is_file():
             return
-        kept = [line for line in self.metrics.read_text().splitlines()
-                if line.strip() and json.loads(line).get("epoch", -1) <= after_epoch]
+        kept = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                if json.loads(line).get("epoch", -1) <= after_epoch:
+                    kept.append(line)
+            except ValueError:
+                continue
         tmp = self.metrics.with_name(f"{self.metrics.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.metrics)
