@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from common.cli import run_main
-from common.config import InferConfig, add_config_args, load_config, to_dict
+from common.config import InferConfig, add_config_args, load_config
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
 from partition.layout import PartitionFormatError, PartitionSetMeta
@@ -116,15 +116,43 @@ def _index(cfg: InferConfig, info, saved: dict, model_path: Path, result, entrie
     }
 
 
-def run(cfg: InferConfig) -> dict:
-    """Inference end to end; returns the summary (also printed by :func:`main`)."""
+def _infer(cfg: InferConfig, pool, saved: dict, model_path: Path, out: Path,
+           device: torch.device) -> tuple:
+    """Check the model against the servers, run every layer, write the files; returns
+    (index, export seconds)."""
     from trainer_client.inference import (
         LayerwiseInference,
         check_model,
         export_part,
-        load_model_file,
         model_from_file,
     )
+
+    check_cluster(pool)
+    info = pool.info()
+    check_model(saved, info, str(model_path))
+    ids, ids_kind = original_ids(cfg.parts, info)
+    model = model_from_file(saved, device)
+    splits = {s: pool.seeds(s) for s in ("valid", "test")}
+    job = LayerwiseInference(model, pool, info, batch_size=cfg.batch_size, device=device,
+                             max_inflight=cfg.max_inflight,
+                             max_message_bytes=cfg.max_message_mb << 20, progress=cfg.progress)
+    result = job.run(splits, keep_outputs=True)
+    t0 = time.perf_counter()
+    try:
+        offsets = info.node_offsets
+        entries = [export_part(result, out, p, offsets[p], offsets[p + 1],
+                               None if ids is None else ids[p], cfg.max_message_mb << 20)
+                   for p in range(info.num_parts)]
+    finally:
+        job.drop()
+    index = _index(cfg, info, saved, model_path, result, entries, ids_kind)
+    _write_json(out / "index.json", index)
+    return index, time.perf_counter() - t0
+
+
+def run(cfg: InferConfig) -> dict:
+    """Inference end to end; returns the summary (also printed by :func:`main`)."""
+    from trainer_client.inference import load_model_file
     from trainer_client.train import _device, _make_pool
 
     t0 = time.perf_counter()
@@ -132,43 +160,22 @@ def run(cfg: InferConfig) -> dict:
     saved = load_model_file(model_path)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    device = _device(cfg, 0)
-    pool = _make_pool(cfg)
+    device = _device(cfg, 0)  # type: ignore[arg-type]
+    pool = _make_pool(cfg)  # type: ignore[arg-type]
     try:
-        check_cluster(pool)
-        info = pool.info()
-        check_model(saved, info, str(model_path))
-        ids, ids_kind = original_ids(cfg.parts, info)
-        model = model_from_file(saved, device)
-        splits = {s: pool.seeds(s) for s in ("valid", "test")}
-        job = LayerwiseInference(model, pool, info, batch_size=cfg.batch_size, device=device,
-                                 max_inflight=cfg.max_inflight,
-                                 max_message_bytes=cfg.max_message_mb << 20,
-                                 progress=cfg.progress)
-        result = job.run(splits, keep_outputs=True)
-        t_infer = time.perf_counter()
-        try:
-            offsets = info.node_offsets
-            entries = [export_part(result, out, p, offsets[p], offsets[p + 1],
-                                   None if ids is None else ids[p], cfg.max_message_mb << 20)
-                       for p in range(info.num_parts)]
-        finally:
-            job.drop()
-        index = _index(cfg, info, saved, model_path, result, entries, ids_kind)
-        _write_json(out / "index.json", index)
+        index, export_s = _infer(cfg, pool, saved, model_path, out, device)
     finally:
         pool.close()
-    infer_s = sum(result.layer_s)
+    full, layer_s = index["full_graph"], index["layer_s"]
     return {
         "out": str(out), "index": str(out / "index.json"),
-        "files": [f["path"] for e in entries for f in e["files"].values()],
-        "valid_acc": round(result.valid_acc, 4), "test_acc": round(result.test_acc, 4),
-        "sampled": index["sampled"], "orig_ids": ids_kind,
-        "num_nodes": result.num_nodes, "num_layers": len(result.layer_s),
-        "layer_s": index["layer_s"], "nodes_per_s": round(result.num_nodes / max(infer_s, 1e-9), 1),
-        "export_s": round(time.perf_counter() - t_infer, 3),
-        "wall_s": round(time.perf_counter() - t0, 3), "device": str(device),
-        "config": {k: v for k, v in to_dict(cfg).items() if k in ("batch_size", "model")},
+        "files": [f["path"] for e in index["parts"] for f in e["files"].values()],
+        "valid_acc": round(full["valid_acc"], 4), "test_acc": round(full["test_acc"], 4),
+        "sampled": index["sampled"], "orig_ids": index["orig_ids"],
+        "num_nodes": index["num_nodes"], "num_layers": len(layer_s), "layer_s": layer_s,
+        "nodes_per_s": round(index["num_nodes"] / max(sum(layer_s), 1e-9), 1),
+        "export_s": round(export_s, 3), "wall_s": round(time.perf_counter() - t0, 3),
+        "device": str(device),
     }
 
 

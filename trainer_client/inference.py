@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import time
 from collections import deque
@@ -47,11 +48,11 @@ from common.logs import bars_allowed
 from common.messages import MFGReply, NodeDataReply, NodeDataRequest, SampleRequest
 from common.mfg import MFG, Block
 from common.rpc import expect
+from trainer_client.checkpoint import MODEL_FORMAT
 from trainer_client.node_tensors import DistNodeTensor
 
 log = logging.getLogger("mfgserve.inference")
 
-MODEL_FORMAT = "mfgserve-model/1"
 _CHUNK_SHARE = 2  # a chunk's rows take at most 1/2 of --max-message-mb (room for ids, framing)
 
 
@@ -65,8 +66,12 @@ def load_model_file(path: str | os.PathLike) -> dict:
                           "(--run-dir) to get <run-dir>/best_model.pt, or pass --model FILE")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's text suggests weights_only=False: never
+        raise ConfigError(f"cannot read model file {path}: it is not a file of tensors and "
+                          "plain containers (nothing else is unpickled); pass the "
+                          "best_model.pt a training run wrote") from e
     except Exception as e:  # a truncated or foreign file: torch raises many kinds
-        raise ConfigError(f"cannot read model file {path}: {e}") from e
+        raise ConfigError(f"cannot read model file {path}: {str(e).splitlines()[0]}") from e
     if not isinstance(saved, dict) or saved.get("format") != MODEL_FORMAT:
         fmt = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
         raise ConfigError(f"{path} is not an mfgserve model file (format {fmt!r}, expected "
@@ -153,40 +158,33 @@ def stream_blocks(pool, batches: list[tuple[int, Tensor]], *, with_label: bool,
 
 class ServedFeatures:
     """The servers' input features as a row source like a node tensor: :meth:`read` asks
-    each owning part for its rows (NODE_DATA), as float32."""
+    each owning part for its rows (NODE_DATA), in rounds below ``max_message_bytes``, as
+    float32."""
 
-    def __init__(self, pool, node_offsets: list[int], feat_dim: int):
+    def __init__(self, pool, node_offsets: list[int], feat_dim: int, max_message_bytes: int):
         self.pool = pool
         self.offsets = torch.tensor(list(node_offsets), dtype=torch.int64)
         self.row_shape = (feat_dim,)
-        self.name = "input features"
+        self.chunk = chunk_rows(max_message_bytes, 4 * feat_dim)
 
     def read(self, ids: Tensor) -> Tensor:
         out = torch.empty((ids.numel(), *self.row_shape), dtype=torch.float32)
-        part_of = torch.searchsorted(self.offsets, ids, right=True) - 1
-        split = {int(p): torch.nonzero(part_of == p).flatten()
-                 for p in torch.unique(part_of).tolist()}
-        replies = self.pool.scatter_gather(
-            {p: NodeDataRequest(nodes=ids[pos], with_feat=True) for p, pos in split.items()},
-            NodeDataReply)
-        for p, pos in split.items():
-            out[pos] = replies[p].feat.float()
+        for start in range(0, ids.numel(), self.chunk):
+            part = ids[start:start + self.chunk]
+            owner = torch.searchsorted(self.offsets, part, right=True) - 1
+            split = {int(p): torch.nonzero(owner == p).flatten() + start
+                     for p in torch.unique(owner).tolist()}
+            replies = self.pool.scatter_gather(
+                {p: NodeDataRequest(nodes=ids[pos], with_feat=True) for p, pos in split.items()},
+                NodeDataReply)
+            for p, pos in split.items():
+                out[pos] = replies[p].feat.float()
         return out
 
 
 def chunk_rows(max_message_bytes: int, row_bytes: int) -> int:
     """Rows per node tensor read or write so that one message stays below the limit."""
     return max(1, max_message_bytes // _CHUNK_SHARE // max(row_bytes, 1))
-
-
-def read_rows(tensor: DistNodeTensor | ServedFeatures, ids: Tensor, chunk: int) -> Tensor:
-    return torch.cat([tensor.read(c) for c in torch.split(ids, chunk)]) if ids.numel() \
-        else tensor.read(ids)
-
-
-def write_rows(tensor: DistNodeTensor, ids: Tensor, rows: Tensor, chunk: int) -> None:
-    for c_ids, c_rows in zip(torch.split(ids, chunk), torch.split(rows, chunk)):
-        tensor.write(c_ids, c_rows)
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -252,12 +250,14 @@ class LayerwiseInference:
         self.progress = bars_allowed(progress) and rank == 0
         self.prefix = f"infer-{_shared_token(world_size, self.device)}"
         self.tensors: dict[str, DistNodeTensor] = {}
-        self.features = ServedFeatures(pool, info.node_offsets, info.feat_dim)
+        self.features = ServedFeatures(pool, info.node_offsets, info.feat_dim,
+                                       max_message_bytes)
 
     # ------------------------------------------------------------------ node tensors
     def _tensor(self, key: str, dim: int) -> DistNodeTensor:
         t = DistNodeTensor(self.pool, f"{self.prefix}-{key}", [dim],
-                           node_offsets=self.info.node_offsets)
+                           node_offsets=self.info.node_offsets,
+                           max_message_bytes=self.max_message_bytes)
         self.tensors[key] = t
         return t
 
@@ -287,9 +287,16 @@ class LayerwiseInference:
     def out_dims(self) -> list[int]:
         """Each layer's output width, from one probe node (the model is in eval mode)."""
         dims, h = [], torch.zeros((1, self.info.feat_dim), device=self.device)
-        for layer in range(int(self.model.num_layers)):
-            h = self.model.forward_layer(layer, _probe_block().to(self.device), h)
-            dims.append(int(h.shape[1]))
+        try:
+            for layer in range(int(self.model.num_layers)):
+                h = self.model.forward_layer(layer, _probe_block().to(self.device), h)
+                dims.append(int(h.shape[1]))
+        except RuntimeError as e:  # a shape mismatch, before any request
+            raise ConfigError(
+                f"the model does not take the servers' {self.info.feat_dim} input features "
+                f"({str(e).splitlines()[0]}); full-graph inference feeds the served features "
+                "only (a model trained with --node-emb-dim also needs its node embeddings, "
+                "which it does not read)") from e
         return dims
 
     # ------------------------------------------------------------------ layers
@@ -344,15 +351,13 @@ class LayerwiseInference:
             if last:
                 _count(mfg, out, splits, counts)
             if dst is not None:
-                write_rows(dst, mfg.output_nodes, out.float().cpu(),
-                           chunk_rows(self.max_message_bytes, 4 * dims[layer]))
+                dst.write(mfg.output_nodes, out.float().cpu())
         _barrier(self.world_size)  # layer + 1 reads what every rank wrote
         if layer and not (keep_outputs and last):
             self._release(f"h{layer - 1}")  # the embeddings stay when the outputs are kept
 
     def _forward(self, layer: int, mfg: MFG, src: DistNodeTensor | ServedFeatures) -> Tensor:
-        chunk = chunk_rows(self.max_message_bytes, 4 * int(src.row_shape[0]))
-        h = read_rows(src, mfg.input_nodes, chunk).to(self.device)
+        h = src.read(mfg.input_nodes).to(self.device)
         return self.model.forward_layer(layer, mfg[0].to(self.device), h)
 
     def _bar(self, blocks: Iterator[MFG], total: int, layer: int) -> Iterator[MFG]:
@@ -407,44 +412,41 @@ def _write_npy(path: Path, shape: tuple[int, ...], dtype, fill) -> dict:
     return {"shape": list(shape), "dtype": np.dtype(dtype).name}
 
 
+def _fill_rows(t: DistNodeTensor, lo: int, hi: int, chunk: int):
+    """A ``fill`` for :func:`_write_npy`: rows ``[lo, hi)`` of ``t``, ``chunk`` at a time."""
+    def fill(arr) -> None:
+        for s in range(lo, hi, chunk):
+            arr[s - lo:min(s + chunk, hi) - lo] = t.read(torch.arange(s, min(s + chunk, hi))).numpy()
+    return fill
+
+
 def export_part(result: InferenceResult, out_dir: Path, part: int, lo: int, hi: int,
                 orig_ids: np.ndarray | None, max_message_bytes: int) -> dict:
-    """Write ``part-K/{pred,logits,emb,orig_ids}.npy`` for global ids ``[lo, hi)`` from the
-    node tensors kept on the servers; returns the part's index entry (files relative to
+    """Write ``part-K/{logits,pred,emb,orig_ids}.npy`` for global ids ``[lo, hi)`` from the
+    node tensors kept on the servers; returns the part's index entry (file paths relative to
     ``out_dir``). Without ``orig_ids`` the global ids are written in their place."""
     d = out_dir / f"part-{part}"
     d.mkdir(parents=True, exist_ok=True)
-    n, entry = hi - lo, {"part": part, "global_ids": [lo, hi], "num_nodes": hi - lo, "files": {}}
-    logits_t = result.kept["logits"]
-    width = int(logits_t.row_shape[0])
-    chunk = chunk_rows(max_message_bytes, 4 * max(width, *(int(t.row_shape[0])
-                                                           for t in result.kept.values())))
+    n = hi - lo
+    widths = {k: int(t.row_shape[0]) for k, t in result.kept.items()}
+    chunk = chunk_rows(max_message_bytes, 4 * max(widths.values()))
 
-    def rows(t: DistNodeTensor) -> Iterator[tuple[int, Tensor]]:
-        for s in range(lo, hi, chunk):
-            yield s - lo, t.read(torch.arange(s, min(s + chunk, hi)))
-
-    def fill_logits(arr):
-        for at, r in rows(logits_t):
-            arr[at:at + len(r)] = r.numpy()
-
-    def fill_pred(arr):
+    def fill_pred(arr) -> None:
         logits = np.load(d / "logits.npy", mmap_mode="r")
         for s in range(0, n, chunk):
             arr[s:s + chunk] = logits[s:s + chunk].argmax(1)
 
-    files = {"logits": ((n, width), np.float32, fill_logits),
+    def fill_ids(arr) -> None:
+        arr[:] = orig_ids if orig_ids is not None else np.arange(lo, hi, dtype=np.int64)
+
+    files = {"logits": ((n, widths["logits"]), np.float32,
+                        _fill_rows(result.kept["logits"], lo, hi, chunk)),
              "pred": ((n,), np.int64, fill_pred)}
     if "emb" in result.kept:
-        emb_t = result.kept["emb"]
-
-        def fill_emb(arr):
-            for at, r in rows(emb_t):
-                arr[at:at + len(r)] = r.numpy()
-
-        files["emb"] = ((n, int(emb_t.row_shape[0])), np.float32, fill_emb)
-    ids = orig_ids if orig_ids is not None else np.arange(lo, hi, dtype=np.int64)
-    files["orig_ids"] = ((n,), np.int64, lambda arr: arr.__setitem__(slice(None), ids))
+        files["emb"] = ((n, widths["emb"]), np.float32,
+                        _fill_rows(result.kept["emb"], lo, hi, chunk))
+    files["orig_ids"] = ((n,), np.int64, fill_ids)
+    entry: dict = {"part": part, "global_ids": [lo, hi], "num_nodes": n, "files": {}}
     for name, (shape, dtype, fill) in files.items():
         entry["files"][name] = {"path": f"part-{part}/{name}.npy",
                                 **_write_npy(d / f"{name}.npy", shape, dtype, fill)}
