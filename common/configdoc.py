@@ -224,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="only compare: exit 1 if the file differs from the dataclasses")
     p.add_argument("--out", default=str(DOC), help="the file to write or check")
     args = p.parse_args(argv)
-    text, out = generate(), Path(args.out)
+    try:
+        text, out = generate(), Path(args.out)
+    except RuntimeError as e:  # an option outside the dataclasses: say which, no traceback
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     if args.check:
         if not out.is_file() or out.read_text(encoding="utf-8") != text:
             print(f"{out} is stale: regenerate it with `python -m common.configdoc`",

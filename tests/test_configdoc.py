@@ -71,3 +71,19 @@ def test_every_console_script_has_a_section():
     listed = {c.name for c in configdoc.COMMANDS}
     missing = [name for name in scripts if name not in listed]
     assert not missing, f"console scripts without an entry in configdoc.COMMANDS: {missing}"
+
+
+def stray_option_parser():
+    """plot_cli's parser plus an option no config dataclass holds (for the test below)."""
+    from deploy.plot_cli import build_parser
+
+    p = build_parser()
+    p.add_argument("--stray", help="not a config field")
+    return p
+
+
+def test_an_option_outside_the_dataclasses_is_refused():
+    cmd = configdoc.Command("mfgserve-plot", f"{__name__}:stray_option_parser",
+                            (("common.config:PlotConfig", ""),))
+    with pytest.raises(RuntimeError, match="--stray"):
+        configdoc.command_section(cmd)
