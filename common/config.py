@@ -299,6 +299,11 @@ class WorkerModeConfig:
     servers_per_part: int = opt(1, "sampler server processes per partition (replicas)")
     startup_timeout_s: float = opt(120.0, "seconds to wait for every server to answer a ping")
     shutdown_timeout_s: float = opt(10.0, "seconds to wait for children to exit before killing")
+    infer: bool = opt(
+        False, "after training, run mfgserve-infer through the same servers: layer-wise "
+        "full-neighbour inference of best_model.pt over every node, written to "
+        "<run dir>/inference; the summary's 'inference' names the files (needs "
+        "--servers-per-part 1)", negatable=False)
     trainer: TrainerConfig = field(
         default_factory=TrainerConfig,
         metadata={"help": "trainer options", "flatten": True,
@@ -319,6 +324,10 @@ class WorkerModeConfig:
             raise ConfigError(f"--num-trainers must be >= 1, got {self.num_trainers}")
         if self.servers_per_part < 1:
             raise ConfigError(f"--servers-per-part must be >= 1, got {self.servers_per_part}")
+        if self.infer and self.servers_per_part != 1:
+            raise ConfigError("--infer keeps each layer's outputs on the servers, one copy per "
+                              "part: use --servers-per-part 1 (or run mfgserve-infer later "
+                              "against a cluster with one server per part)")
         if self.num_parts < 1:
             raise ConfigError(f"--num-parts must be >= 1, got {self.num_parts}")
         if self.synthetic_nodes < 100:

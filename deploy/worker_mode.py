@@ -3,8 +3,10 @@
 Steps: resolve the partition set (``--parts``; or partition ``--dataset-dir`` on the fly; or
 generate the default synthetic graph), start ``servers_per_part`` sampler servers per part on
 ``ipc://`` endpoints in a private run directory, wait until each answers a ping, start the
-trainers (DDP over a free loopback port), wait for them, shut the servers down, and print the
-trainers' JSON summary (plus launcher fields) as the last stdout line. The trainers' outputs
+trainers (DDP over a free loopback port), wait for them, with ``--infer`` run mfgserve-infer
+(deploy/infer_cli.py) through the same servers on the run's best_model.pt, shut the servers
+down, and print the trainers' JSON summary (plus launcher fields, and ``inference``: the
+inference summary naming its files) as the last stdout line. The trainers' outputs
 (metrics, checkpoints, best model, summary.json) go to the run directory named in that line:
 ``--run-dir``, else ``<work_dir>/runs/<UTC stamp>-<hex>`` (with ``--resume``: the newest run
 there with a checkpoint; see trainer_client/run_dir.py).
@@ -39,7 +41,14 @@ from pathlib import Path
 
 from common.cli import raise_on_signals, run_main
 from common.cluster import ClusterSpec
-from common.config import DDPConfig, WorkerModeConfig, add_config_args, load_config, to_argv
+from common.config import (
+    DDPConfig,
+    InferConfig,
+    WorkerModeConfig,
+    add_config_args,
+    load_config,
+    to_argv,
+)
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
 from common.sockets import new_token_file
@@ -186,6 +195,44 @@ def with_run_dir(cfg: WorkerModeConfig) -> WorkerModeConfig:
     return dataclasses.replace(cfg, trainer=dataclasses.replace(t, run_dir=run_dir))
 
 
+def wait_child(group: ProcessGroup, child: Child, servers: list[tuple[str, str]],
+               poll_s: float = 0.1) -> None:
+    """Return when ``child`` exited 0; raise :class:`LaunchError` when it failed or a
+    server exited first."""
+    names = {name for name, _ in servers}
+    while (code := child.proc.poll()) is None:
+        for c in group.children:
+            if c.name in names and c.proc.poll() is not None:
+                raise LaunchError(f"{c.name} (pid {c.pid}) exited with {c.exit_text} while "
+                                  f"{child.name} ran; stopping all processes. Its last "
+                                  f"output:\n{c.last_lines()}")
+        time.sleep(poll_s)
+    if code != 0:
+        raise LaunchError(f"{child.name} (pid {child.pid}) exited with {child.exit_text}; its "
+                          f"last output:\n{child.last_lines()}")
+
+
+def infer_stage(cfg: WorkerModeConfig, group: ProcessGroup, cluster_file: Path, parts: str,
+                servers: list[tuple[str, str]], tmp: Path) -> dict:
+    """``--infer``: mfgserve-infer through the servers still running, on the run directory's
+    best_model.pt, outputs in ``<run dir>/inference``; returns its JSON summary."""
+    t = cfg.trainer
+    icfg = InferConfig(cluster=str(cluster_file), run_dir=t.run_dir, parts=parts,
+                       batch_size=t.eval_batch_size, device=t.device,
+                       num_threads=t.num_threads, max_message_mb=t.max_message_mb,
+                       request_timeout_s=t.request_timeout_s, heartbeat_s=t.heartbeat_s,
+                       heartbeat_timeout_s=t.heartbeat_timeout_s, progress=False)
+    out = tmp / "inference.json"
+    with open(out, "w") as stdout:
+        child = group.spawn("inference", [sys.executable, "-m", "deploy.infer_cli",
+                                          *to_argv(icfg)], stdout=stdout)
+        wait_child(group, child, servers)
+    lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise LaunchError("mfgserve-infer printed no summary")
+    return json.loads(lines[-1])
+
+
 def run(cfg: WorkerModeConfig) -> dict:
     t0 = time.perf_counter()
     cfg = with_run_dir(cfg)
@@ -228,10 +275,14 @@ def run(cfg: WorkerModeConfig) -> dict:
                         cfg, cluster_file, r, port, summary_file, done[r])), done[r])
                     for r in range(cfg.num_trainers)]
         wait_trainers(group, trainers)
+        inference = (infer_stage(cfg, group, cluster_file, parts, servers, run_dir)
+                     if cfg.infer else None)
         group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))
         if not summary_file.is_file():
             raise LaunchError("trainer rank 0 exited without writing its summary")
         summary = json.loads(summary_file.read_text())
+        if inference is not None:
+            summary["inference"] = inference
         summary.update({
             "mode": "worker", "parts": parts, "servers": len(servers),
             "prepare_s": round(prep_s, 3), "startup_s": round(t_ready - t0 - prep_s, 3),

@@ -124,14 +124,9 @@ class Cluster:
             s.wait_ready()
 
     def stop(self) -> None:
-        errors = []
-        for s in self.servers:
-            try:
-                s.stop_and_check()
-            except AssertionError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        from procs import stop_all
+
+        stop_all(self.servers)
 
 
 def _cluster(tmp_path_factory, data_dir: Path, name: str):
