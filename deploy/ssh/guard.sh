@@ -6,13 +6,14 @@
 # connection drops; the command's stdin does reach end-of-file then. So CMD runs in the
 # background with stdin from /dev/null while this script watches its own stdin (the ssh
 # channel, which launch.sh never writes to): end-of-file means the launcher closed it (it is
-# stopping the job), died, or lost the connection, and CMD gets SIGTERM, then SIGKILL after
-# MFGSERVE_GUARD_GRACE_S seconds (default 20). Exits with CMD's exit code.
+# stopping the job), died, or lost the connection, and CMD gets SIGTERM, then (with every
+# process left in its process group) SIGKILL after MFGSERVE_GUARD_GRACE_S seconds (default
+# 15; launch.sh sets half its --stop-timeout-s). Exits with CMD's exit code.
 set -u
-grace=${MFGSERVE_GUARD_GRACE_S:-20}
+grace=${MFGSERVE_GUARD_GRACE_S:-15}
 
 exec 3<&0 </dev/null
-"$@" 3<&- &
+setsid "$@" 3<&- &  # its own process group (setsid execs: a background job is no leader)
 cmd=$!
 # The watcher: a subshell (no child processes) that returns at end-of-file on fd 3.
 (while read -r -u 3 _; do :; done) &
@@ -33,5 +34,5 @@ for ((i = 0; i < grace * 10; i++)); do
     kill -0 "$cmd" 2>/dev/null || break
     sleep 0.1
 done
-kill -KILL "$cmd" 2>/dev/null
+kill -KILL -- "-$cmd" 2>/dev/null  # CMD and whatever it started in its group
 wait "$cmd"

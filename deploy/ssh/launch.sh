@@ -19,8 +19,8 @@
 # Stopping: Ctrl-C (SIGINT) or SIGTERM stops everything it started, as does any host failing
 # (a server-node exiting, a trainer exiting non-zero, ssh losing the connection: ssh exits
 # 255): the ssh connections' stdin is closed, which deploy/ssh/guard.sh on each host turns
-# into SIGTERM to its command; ssh clients still running at half of --stop-timeout-s get
-# SIGTERM, at the deadline SIGKILL. Exit code: 0 done, 1 a host failed, 2 bad input, 130/143
+# into SIGTERM to its command (SIGKILL to what is left of it after half of --stop-timeout-s);
+# ssh clients still running at 5/6 of --stop-timeout-s get SIGTERM, at the deadline SIGKILL. Exit code: 0 done, 1 a host failed, 2 bad input, 130/143
 # on SIGINT/SIGTERM.
 #
 # Requirements: the repository with its virtual environment (.venv) at the same path on every
@@ -96,7 +96,7 @@ SSH_OPTS=(-o BatchMode=yes -o ServerAliveInterval=5 -o ServerAliveCountMax=3 "${
 
 # ---------------------------------------------------------------- hosts file
 SERVER_HOSTS=() SERVER_ADDRS=() TRAINER_HOSTS=() TRAINER_ADDRS=()
-while read -r line; do
+while read -r line || [[ -n $line ]]; do  # (a last line without newline too)
     read -r role host addr extra <<<"${line%%#*}"  # drop the comment, split the fields
     [[ -z ${role:-} ]] && continue
     [[ -n ${host:-} && -z ${extra:-} ]] || job_die "$HOSTS_FILE: bad line '$line' \
@@ -109,16 +109,18 @@ while read -r line; do
 done <"$HOSTS_FILE"
 ((${#SERVER_HOSTS[@]})) || job_die "$HOSTS_FILE lists no server host"
 ((${#TRAINER_HOSTS[@]})) || job_die "$HOSTS_FILE lists no trainer host"
+dups=$(printf '%s\n' "${SERVER_HOSTS[@]}" "${TRAINER_HOSTS[@]}" | sort | uniq -d)
+[[ -z $dups ]] || job_die "$HOSTS_FILE lists a host twice: $dups (one role per host)"
 
 # ---------------------------------------------------------------- cluster file and logs
-mkdir -p "$JOB_DIR/logs"
+mkdir -p "$JOB_DIR/logs" || job_die "cannot create $JOB_DIR/logs"
 JOB_DIR=$(cd "$JOB_DIR" && pwd)
 JOB_LOGDIR=$JOB_DIR/logs
 CLUSTER=$JOB_DIR/cluster.yaml
 cd "$REPO" || job_die "cannot cd to $REPO"
 PARTS_N=$(num_parts "$VENV/bin/python" "$PARTS") || job_die "cannot read partition set $PARTS"
 write_cluster "$VENV/bin/python" "$CLUSTER" "$PORT_BASE" "$REPLICAS" "$PARTS_N" \
-    "${SERVER_ADDRS[@]}"
+    "${SERVER_ADDRS[@]}" || job_die "cannot write $CLUSTER"
 job_log "job directory $JOB_DIR: $PARTS_N part(s) on ${#SERVER_HOSTS[@]} server host(s), \
 ${#TRAINER_HOSTS[@]} trainer host(s) x $NPROC trainer(s)"
 
@@ -139,7 +141,7 @@ remote() {
     printf -v cd_repo '%q ' cd "$REPO"
     ((${#REMOTE_ENV[@]})) && set -- env "${REMOTE_ENV[@]}" "$@"
     printf -v run '%q ' exec bash "$REPO/deploy/ssh/guard.sh" "$@"
-    local cmd="$cd_repo&& $run"
+    local cmd="$cd_repo&& MFGSERVE_GUARD_GRACE_S=$((JOB_STOP_TIMEOUT_S / 2)) $run"
     exec "$SSH" "${SSH_OPTS[@]}" "$host" "$cmd" <"$JOB_DIR/keepalive" {KEEPALIVE}>&-
 }
 

@@ -8,8 +8,9 @@
 #   * any server step exits (a server host died or was stopped: the job cannot go on), or
 #   * any trainer step exits non-zero.
 # job_stop stops whatever still runs, all under one deadline: the caller's polite hook first
-# (launch.sh closes the ssh connections' stdin, which the remote guard turns into SIGTERM),
-# then SIGTERM to each step, then SIGKILL at the deadline. Install job_traps so that Ctrl-C
+# (launch.sh closes the ssh connections' stdin, which the remote guard turns into SIGTERM,
+# and SIGKILL after half the deadline), then SIGTERM to each step still running at 5/6 of
+# the deadline (at once without a hook), then SIGKILL at the deadline. Install job_traps so that Ctrl-C
 # (SIGINT), SIGTERM (scancel, kill) and every exit path run job_stop.
 #
 # The caller sets: JOB_PROG (name in messages), JOB_STOP_TIMEOUT_S (seconds), and may define
@@ -116,8 +117,10 @@ job_stop() {
     local deadline=$((SECONDS + JOB_STOP_TIMEOUT_S))
     local term_at=$SECONDS  # without a polite hook: SIGTERM at once
     if declare -F job_polite_stop >/dev/null; then
+        # the hook has the steps end on their own (launch.sh: the remote guard escalates to
+        # SIGKILL after half the timeout); SIGTERM only to steps still there near the end
         job_polite_stop
-        term_at=$((SECONDS + JOB_STOP_TIMEOUT_S / 2))
+        term_at=$((SECONDS + JOB_STOP_TIMEOUT_S * 5 / 6))
     fi
     local termed=0
     while :; do
