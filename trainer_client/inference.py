@@ -183,7 +183,7 @@ class ServedFeatures:
 
 
 def chunk_rows(max_message_bytes: int, row_bytes: int) -> int:
-    """Rows per node tensor read or write so that one message stays below the limit."""
+    """Rows per read or write so that one message stays below ``max_message_bytes``."""
     return max(1, max_message_bytes // _CHUNK_SHARE // max(row_bytes, 1))
 
 
