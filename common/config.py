@@ -357,6 +357,9 @@ class DDPConfig:
         "", "write this file once this rank is finished (rank 0's summary delivered, every "
         "rank past the final barrier); a launcher counts a rank that dies after writing it, in "
         "teardown, as finished")
+    launcher_tty: bool = opt(
+        False, "set by a launcher whose own stderr is a terminal: this trainer draws progress "
+        "bars although its stderr is a pipe to the launcher (which shows them in place)")
 
     def validate(self) -> None:
         if not 0 <= self.rank < self.world_size:

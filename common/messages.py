@@ -36,8 +36,9 @@ from common.tensor_messages import (  # noqa: F401 (re-exported)
 )
 
 # 2: partition-set ids (set_id), Shutdown token; 3: nested structs: the MFG reply carries a
-# SampledMFG, SAMPLE's ring slot is one SlotRef
-PROTOCOL_VERSION = 3
+# SampledMFG, SAMPLE's ring slot is one SlotRef; 4: STATUS, seeded sampling (SAMPLE
+# sample_seed, NEIGHBORS seed), node tensor optimizer state, SAMPLE without features
+PROTOCOL_VERSION = 4
 FEAT_TRANSFER_DTYPES = {"": None, "float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}
 

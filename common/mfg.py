@@ -111,10 +111,13 @@ class Block:
         eids = torch.arange(self.num_edges(), device=self.indices.device)
         blk = dgl.create_block(("csc", (self.indptr, self.indices, eids)),
                                num_src_nodes=self._num_src, num_dst_nodes=self._num_dst)
-        for k, v in self.srcdata.items():
-            blk.srcdata[k] = v
-        for k, v in self.dstdata.items():
-            blk.dstdata[k] = v
+        # Node data only: a tensor with one row per node (an inference block carries an
+        # empty label tensor, no labels being served; DGL refuses a row count that differs).
+        for frame, data, n in ((blk.srcdata, self.srcdata, self._num_src),
+                               (blk.dstdata, self.dstdata, self._num_dst)):
+            for k, v in data.items():
+                if v.dim() > 0 and v.shape[0] == n:
+                    frame[k] = v
         return blk
 
     def __repr__(self) -> str:

@@ -51,6 +51,7 @@ from common.config import (
 )
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
+from common.logs import bars_allowed
 from common.sockets import new_token_file
 from deploy.processes import (
     Child,
@@ -143,7 +144,8 @@ def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: in
         num_threads=t.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_trainers),
         summary_out=str(summary_file) if rank == 0 else "")
     ddp = DDPConfig(rank=rank, world_size=cfg.num_trainers, local_rank=rank,
-                    master_addr="127.0.0.1", master_port=port, done_file=str(done_file))
+                    master_addr="127.0.0.1", master_port=port, done_file=str(done_file),
+                    launcher_tty=rank == 0 and bars_allowed(t.progress))
     return [sys.executable, "-m", "trainer_client.main", *to_argv(t), *to_argv(ddp)]
 
 
@@ -233,6 +235,30 @@ def infer_stage(cfg: WorkerModeConfig, group: ProcessGroup, cluster_file: Path, 
     return json.loads(lines[-1])
 
 
+def start_servers(cfg: WorkerModeConfig, group: ProcessGroup, parts: str, num_parts: int,
+                  sock_dir: Path) -> tuple[Path, list[tuple[str, str]], str]:
+    """Start ``servers_per_part`` servers per part on ipc sockets in ``sock_dir`` and wait
+    until each answers a ping; returns (cluster file, [(name, endpoint)], shutdown token)."""
+    cluster = ClusterSpec({p: [f"ipc://{sock_dir}/p{p}r{r}.sock"
+                               for r in range(cfg.servers_per_part)]
+                           for p in range(num_parts)})
+    longest = max(len(ep) for _, ep in cluster.all_endpoints()) - len("ipc://")
+    if longest > 100:  # sun_path holds 107 bytes
+        raise ConfigError(f"socket directory {sock_dir} is too deep for ipc socket paths; "
+                          "set TMPDIR to a shorter directory")
+    cluster_file = sock_dir / "cluster.yaml"
+    cluster.write(cluster_file)
+    token_file = str(sock_dir / "shutdown.token")
+    token = new_token_file(token_file)
+    servers: list[tuple[str, str]] = []
+    for p, ep in cluster.all_endpoints():
+        name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
+        group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file, token_file))
+        servers.append((name, ep))
+    wait_ready(group, servers, cfg.startup_timeout_s)
+    return cluster_file, servers, token
+
+
 def run(cfg: WorkerModeConfig) -> dict:
     t0 = time.perf_counter()
     cfg = with_run_dir(cfg)
@@ -246,36 +272,22 @@ def run(cfg: WorkerModeConfig) -> dict:
     prep_s = time.perf_counter() - t0
     for stale in remove_stale_run_dirs():
         print(f"worker-mode: removed {stale}, left by a launcher that was killed", file=sys.stderr)
-    run_dir = make_run_dir()
+    sock_dir = make_run_dir()  # private: sockets, cluster file, token, done files
     group = ProcessGroup()
     servers: list[tuple[str, str]] = []
     token = ""
     try:
-        cluster = ClusterSpec({p: [f"ipc://{run_dir}/p{p}r{r}.sock"
-                                   for r in range(cfg.servers_per_part)]
-                               for p in range(meta.num_parts)})
-        longest = max(len(ep) for _, ep in cluster.all_endpoints()) - len("ipc://")
-        if longest > 100:  # sun_path holds 107 bytes
-            raise ConfigError(f"run directory {run_dir} is too deep for ipc socket paths; "
-                              "set TMPDIR to a shorter directory")
-        cluster_file = run_dir / "cluster.yaml"
-        cluster.write(cluster_file)
-        token_file = str(run_dir / "shutdown.token")
-        token = new_token_file(token_file)
-        for p, ep in cluster.all_endpoints():
-            name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
-            group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file, token_file))
-            servers.append((name, ep))
-        wait_ready(group, servers, cfg.startup_timeout_s)
+        cluster_file, servers, token = start_servers(cfg, group, parts, meta.num_parts,
+                                                     sock_dir)
         t_ready = time.perf_counter()
         port = free_tcp_port()
-        summary_file = run_dir / "summary.json"
-        done = [run_dir / f"rank{r}.done" for r in range(cfg.num_trainers)]
+        summary_file = sock_dir / "summary.json"
+        done = [sock_dir / f"rank{r}.done" for r in range(cfg.num_trainers)]
         trainers = [(group.spawn(f"trainer rank {r}", _trainer_argv(
                         cfg, cluster_file, r, port, summary_file, done[r])), done[r])
                     for r in range(cfg.num_trainers)]
         wait_trainers(group, trainers)
-        inference = (infer_stage(cfg, group, cluster_file, parts, servers, run_dir)
+        inference = (infer_stage(cfg, group, cluster_file, parts, servers, sock_dir)
                      if cfg.infer else None)
         group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))
         if not summary_file.is_file():
@@ -295,7 +307,7 @@ def run(cfg: WorkerModeConfig) -> dict:
         return summary
     finally:
         group.teardown(cfg.shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,12 @@ import common.config
 import partition.config
 from common.config import (
     DDPConfig,
+    InferConfig,
     KeysConfig,
+    PlotConfig,
     ServerConfig,
     ServerNodeConfig,
+    StatusConfig,
     TrainerConfig,
     WorkerModeConfig,
     from_argv,
@@ -46,9 +49,14 @@ TRAINER = TrainerConfig(
     max_inflight=2, cache_ratio=0.3, feat_transfer="float16", request_timeout_s=17.5,
     shm_ring=False, shm_ring_mb=64, device="cpu", num_threads=3, eval_every=2, seed=11,
     progress=False, summary_out="/s.json", max_message_mb=77, heartbeat_s=0.5,
-    heartbeat_timeout_s=3.0, curve_secret_key="/k", replica_suspect_s=4.5)
+    heartbeat_timeout_s=3.0, curve_secret_key="/k", replica_suspect_s=4.5, run_dir="/run",
+    model="gat", gat_heads=2, patience=3, lr_schedule="step", lr_step_epochs=4, lr_gamma=0.25,
+    grad_clip=1.5, eval="full", checkpoint_dir="/ck", checkpoint_every=2, resume=True,
+    deterministic_sampling=False)
+# --node-emb-dim cannot go with --eval full (full evaluation reads only the served features)
+TRAINER_EMB = dataclasses.replace(TRAINER, eval="sampled", node_emb_dim=8, node_emb_lr=0.5)
 DDP = DDPConfig(rank=2, world_size=4, local_rank=1, master_addr="10.0.0.9", master_port=29777,
-                ddp_timeout_s=60.5, done_file="/d")
+                ddp_timeout_s=60.5, done_file="/d", launcher_tty=True)
 
 
 def _unset(cfg, *names):
@@ -73,12 +81,24 @@ PARTITION = dict(root="/r", num_parts=3, method="random", halo_hops=2, presample
 # every config dataclass: (its CLI's parser module, instances that together set every field)
 CASES = {
     ServerConfig: ("sampler_server.main", [SERVER]),
-    TrainerConfig: ("trainer_client.main", [TRAINER]),
+    TrainerConfig: ("trainer_client.main", [TRAINER, TRAINER_EMB]),
     DDPConfig: ("trainer_client.main", [DDP]),
-    WorkerModeConfig: ("deploy.worker_mode", [WorkerModeConfig(parts="/p", **WORKER),
-                                              WorkerModeConfig(dataset_dir="/d", **WORKER)]),
+    WorkerModeConfig: ("deploy.worker_mode", [
+        WorkerModeConfig(parts="/p", **WORKER),
+        # --infer needs one server per part (the layer outputs are held on the servers)
+        WorkerModeConfig(dataset_dir="/d", **dict(WORKER, infer=True, servers_per_part=1)),
+        WorkerModeConfig(parts="/p", **dict(WORKER, trainer=_unset(
+            TRAINER_EMB, "cluster", "summary_out", "curve_secret_key")))]),
     ServerNodeConfig: ("deploy.server_node", [ServerNodeConfig(cluster="/c", **NODE),
                                               ServerNodeConfig(cluster_out="/o", **NODE)]),
+    InferConfig: ("deploy.infer_cli", [InferConfig(
+        cluster="/c", run_dir="/r", model="/m.pt", out="/o", parts="/p", batch_size=5,
+        max_inflight=2, device="cpu", num_threads=2, max_message_mb=9, request_timeout_s=7.5,
+        heartbeat_s=0.5, heartbeat_timeout_s=2.5, replica_suspect_s=3.5, curve_secret_key="/k",
+        progress=False)]),
+    StatusConfig: ("deploy.status_cli", [StatusConfig(cluster="/c", json=True, timeout_s=2.5,
+                                                      curve_secret_key="/k")]),
+    PlotConfig: ("deploy.plot_cli", [PlotConfig(out="/o", dpi=72)]),
     KeysConfig: ("deploy.keys", [KeysConfig(out="/o", name="n", authorize="/a", force=True)]),
     PartitionConfig: ("partition.cli", [
         PartitionConfig(dataset="synthetic", synthetic=SyntheticConfig(
@@ -86,6 +106,8 @@ CASES = {
             raw_out="/raw"), **PARTITION),
         PartitionConfig(dataset_dir="/d", **PARTITION)]),
 }
+# positional arguments a CLI takes outside its config dataclass
+POSITIONAL = {PlotConfig: ["/run"]}
 
 
 def test_every_config_dataclass_is_covered():
@@ -101,7 +123,7 @@ def test_every_field_round_trips_through_the_cli(cls):
     parser = __import__(module, fromlist=["build_parser"]).build_parser()
     changed = set()
     for cfg in cfgs:
-        argv = to_argv(cfg)
+        argv = to_argv(cfg) + POSITIONAL.get(cls, [])
         ns = parser.parse_args(argv)
         assert load_config(cls, getattr(ns, "config", None), ns) == cfg, argv
         defaults = cls()

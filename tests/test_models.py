@@ -153,6 +153,12 @@ def test_dgl_sage_matches_sage_with_the_same_weights():
     torch.testing.assert_close(dgl_sage([b.to_dgl() for b in blocks], x), sage(blocks, x),
                                **TOL)
 
+    # An inference block serves no labels (an empty tensor): to_dgl keeps node data only
+    for b in blocks:
+        b.dstdata["label"] = torch.empty(0, dtype=torch.int64)
+    torch.testing.assert_close(dgl_sage(blocks, x), sage(blocks, x), **TOL)
+    assert "label" not in blocks[-1].to_dgl().dstdata
+
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_model_trains_on_a_tiny_block_set(name):

@@ -62,7 +62,7 @@ def exit_process(code: int) -> NoReturn:
 def _setup(d: DDPConfig) -> DDPSetup:
     return DDPSetup(rank=d.rank, world_size=d.world_size, local_rank=d.local_rank,
                     master_addr=d.master_addr, master_port=d.master_port,
-                    timeout_s=d.ddp_timeout_s)
+                    timeout_s=d.ddp_timeout_s, launcher_tty=d.launcher_tty)
 
 
 def main(argv: list[str] | None = None,

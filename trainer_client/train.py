@@ -40,6 +40,7 @@ from common.cluster import ClusterSpec
 from common.config import TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
+from common.logs import bars_allowed
 from common.messages import FEAT_TRANSFER_DTYPES
 from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import CurveKeys
@@ -79,6 +80,7 @@ class DDPSetup:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     timeout_s: float = 300.0
+    launcher_tty: bool = False  # bars on although stderr is a pipe (see DDPConfig)
 
 
 def _device(cfg: TrainerConfig, local_rank: int) -> torch.device:
@@ -603,7 +605,8 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
                net=net, opt=opt, sched=make_scheduler(opt, cfg), train_loader=train,
                eval_loaders=evals, splits=splits, cache=cache, files=files,
                ckpt=Checkpointer(plan["checkpoint_dir"], cfg.checkpoint_every, ddp.rank == 0),
-               emb=_make_embedding(cfg, pool, info, plan["run_dir"]), show=cfg.progress and ddp.rank == 0)
+               emb=_make_embedding(cfg, pool, info, plan["run_dir"]),
+               show=bars_allowed(cfg.progress, ddp.launcher_tty) and ddp.rank == 0)
 
 
 def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
