@@ -115,10 +115,15 @@ class SampleRequest(Message):
     # >= 0: the MFG is a function of (partition set, seeds, fanouts, sample_seed), the same
     # from every sampler thread, process and replica; -1: the server's own random stream.
     sample_seed: int = -1
+    # The largest reply the trainer accepts (its --max-message-mb): ZeroMQ drops a larger
+    # message and the connection with it, so the server answers too_large instead. 0: any.
+    max_reply_bytes: int = 0
 
     def check(self) -> None:
         _check_set_id(self.set_id)
         _check_sample_seed(self.sample_seed, "sample_seed")
+        _need(self.max_reply_bytes >= 0, "bad_field",
+              f"max_reply_bytes must be >= 0, got {self.max_reply_bytes}")
         _check_ids(self.seeds, "seeds")
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
         _check_unique(self.seeds, "seeds")

@@ -97,7 +97,9 @@ class ProcessGroup:
                     buf = buf[m.end():]
                     if term == "\n" and text.strip():
                         child.tail.append(text)
-                    sys.stderr.write(f"[{name}] {text}{term}" if text else term)
+                    # a log line already carrying this role (common/logs.py) keeps one prefix
+                    tagged = not text or f"[{name}]" in text
+                    sys.stderr.write(f"{text}{term}" if tagged else f"[{name}] {text}{term}")
                 sys.stderr.flush()
             if buf:
                 text = buf.decode(errors="replace")

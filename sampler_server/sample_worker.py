@@ -55,6 +55,22 @@ def hot_rank_or_error(hot_rank, parts: str):
     return hot_rank
 
 
+def _check_reply_size(frames: list, msg: SampleRequest) -> None:
+    """Refuse a reply larger than the trainer accepts (``max_reply_bytes``): sent, it would be
+    dropped by the trainer's socket along with the connection, and the trainer would see a
+    server that went away instead of the cause."""
+    if not msg.max_reply_bytes:
+        return
+    size = sum(memoryview(f).nbytes for f in frames)
+    if size > msg.max_reply_bytes:
+        raise ProtocolError(
+            "too_large", f"the reply to this batch ({msg.seeds.numel()} seeds, fanouts "
+            f"{msg.fanouts}) is {size / 2**20:.1f} MiB, above the {msg.max_reply_bytes / 2**20:.0f}"
+            " MiB the trainer accepts: raise the trainer's --max-message-mb, or lower "
+            "--batch-size or --fanouts (same host: the shared-memory ring carries the features "
+            "outside the message)")
+
+
 class SampleWorker:
     def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank,
                  ctx: zmq.Context, cluster: ClusterSpec | None, keys: CurveKeys | None):
@@ -135,6 +151,7 @@ class SampleWorker:
         times.server_s = time.perf_counter() - t_in
         reply.timings = times.to_wire()
         frames = codec.encode(reply, rid)
+        _check_reply_size(frames, msg)
         return frames, SampleCounts(
             sample_requests=1, seeds_served=msg.seeds.numel(), sample_s=timings.sample_s,
             gather_s=timings.gather_s, remote_s=timings.remote_s,

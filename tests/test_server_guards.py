@@ -112,3 +112,23 @@ def test_server_of_multipart_set_needs_cluster(synth_parts2, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--cluster" in proc.stderr and "2 parts" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring-on", "ring-off"])
+def test_reply_above_the_trainers_message_limit_is_a_clear_error(ring, tmp_path):
+    """A batch whose reply exceeds the trainer's --max-message-mb: ZeroMQ would drop it and
+    the connection with it (the trainer saw a server 'gone'); the server answers too_large
+    instead and the run stops naming the options to change. Default path first: same host,
+    shared-memory ring on (the features skip the message; the blocks alone exceed 1 MiB)."""
+    args = ["--work-dir", str(tmp_path / "w"), "--synthetic-nodes", "20000", "--epochs", "1",
+            "--fanouts", "25,25,25", "--batch-size", "1000", "--max-message-mb", "1",
+            "--no-progress"] + ([] if ring else ["--no-shm-ring"])
+    env = clean_env(TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "deploy.worker_mode", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=150,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # the trainer's own error line (servers stopping afterwards may log peers going away)
+    errors = [ln for ln in proc.stderr.splitlines() if "trainer-client (rank 0): error:" in ln]
+    assert errors and "[too_large]" in errors[0] and "--max-message-mb" in errors[0], \
+        proc.stderr[-3000:]

@@ -153,7 +153,8 @@ class DistNodeDataLoader:
     def _submit(self, index: int, batch: Tensor) -> tuple[Handle, int | None]:
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
-                            cache_ratio=self.cache_ratio, sample_seed=self.sample_seed(index))
+                            cache_ratio=self.cache_ratio, sample_seed=self.sample_seed(index),
+                            max_reply_bytes=self.pool.max_message_bytes)
         offered: list[int] = []
 
         def offer(endpoint: str, msg: SampleRequest) -> SampleRequest:

@@ -34,6 +34,7 @@ class ServerPool(ReplicaSet):
         self.ctx = zmq.Context()
         self.cluster = cluster
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
         super().__init__(cluster.partitions, partial(
             RpcChannel, self.ctx, timeout_s=timeout_s, setting="--request-timeout-s",
             max_message_bytes=max_message_bytes, curve=curve, heartbeat_s=heartbeat_s,
