@@ -89,7 +89,8 @@ def original_ids(parts: str, info) -> tuple[dict[int, np.ndarray] | None, str]:
 
 
 def sampled_accuracy(run_dir: str) -> dict | None:
-    """The training run's sampled evaluation of its best model (summary.json), if any."""
+    """The training run's own evaluation of its best model (summary.json), if any, with
+    ``eval`` naming how it evaluated (``sampled`` unless the run used ``--eval full``)."""
     path = Path(run_dir) / "summary.json" if run_dir else None
     if path is None or not path.is_file():
         return None
@@ -98,7 +99,10 @@ def sampled_accuracy(run_dir: str) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     keys = ("valid_acc", "test_acc", "best_epoch")
-    return {k: s[k] for k in keys if k in s} or None
+    found = {k: s[k] for k in keys if k in s}
+    if found:  # how the run evaluated (--eval): sampled, or full-graph as here
+        found["eval"] = s.get("config", {}).get("eval", "sampled")
+    return found or None
 
 
 def _index(cfg: InferConfig, info, saved: dict, model_path: Path, result, entries: list,
@@ -153,15 +157,15 @@ def _infer(cfg: InferConfig, pool, saved: dict, model_path: Path, out: Path,
 def run(cfg: InferConfig) -> dict:
     """Inference end to end; returns the summary (also printed by :func:`main`)."""
     from trainer_client.inference import load_model_file
-    from trainer_client.train import _device, _make_pool
+    from trainer_client.train import make_pool, pick_device
 
     t0 = time.perf_counter()
     model_path, out = resolve_paths(cfg)
     saved = load_model_file(model_path)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    device = _device(cfg, 0)  # type: ignore[arg-type]
-    pool = _make_pool(cfg)  # type: ignore[arg-type]
+    device = pick_device(cfg, 0)
+    pool = make_pool(cfg)
     try:
         index, export_s = _infer(cfg, pool, saved, model_path, out, device)
     finally:

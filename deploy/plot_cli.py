@@ -37,7 +37,7 @@ PLOTS = ("loss", "accuracy", "throughput", "stages")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR",
                    help="a training run's output directory (--run-dir; the run's JSON summary "

@@ -22,19 +22,24 @@ class LaunchError(ChildFailedError):
 
 
 def server_argv(s: ServerConfig, parts: str, part: int, endpoint: str,
-                cluster_file: Path, token_file: str = "") -> list[str]:
+                cluster_file: Path, token_file: str = "", ready_file: str = "") -> list[str]:
     """The ``sampler-server`` command line for one part: every option of ``s`` (through
     :func:`common.config.to_argv`, so none is left out) with this server's place: part
     ``part`` of ``parts`` at ``endpoint``, seed ``s.seed + part``. ``token_file`` (see
-    :func:`common.sockets.new_token_file`) lets the launcher stop it."""
+    :func:`common.sockets.new_token_file`) lets the launcher stop it; the server writes
+    ``ready_file`` once bound (see :func:`wait_ready`)."""
     own = dataclasses.replace(s, parts=parts, part_id=part, bind=endpoint,
                               cluster=str(cluster_file), seed=s.seed + part,
-                              shutdown_token_file=token_file)
+                              shutdown_token_file=token_file, ready_file=ready_file)
     return [sys.executable, "-m", "sampler_server.main", *to_argv(own)]
 
 
-def wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s: float) -> None:
-    """Ping every server until it answers, failing fast if one exits."""
+def wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s: float,
+               ready_files: dict[str, Path] | None = None) -> None:
+    """Ping every server until it answers, failing fast if one exits. With ``ready_files``
+    (server name -> its --ready-file), a server is pinged only once it has bound: a TCP
+    connect to a port nobody listens on yet can, inside the ephemeral port range, connect the
+    socket to itself (simultaneous open) and take the port the server is about to bind."""
     ctx = zmq.Context()
     deadline = time.monotonic() + timeout_s
     try:
@@ -52,6 +57,9 @@ def wait_ready(group: ProcessGroup, endpoints: list[tuple[str, str]], timeout_s:
                     if time.monotonic() > deadline:
                         raise LaunchError(f"{name} at {ep} did not answer a ping within "
                                           f"{timeout_s:.0f}s; raise --startup-timeout-s")
+                    if ready_files and not ready_files[name].exists():
+                        time.sleep(0.05)
+                        continue
                     try:
                         ch.call(Ping(), timeout_s=1.0)
                         break

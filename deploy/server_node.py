@@ -75,9 +75,11 @@ def run(node: ServerNodeConfig) -> int:
     token_file = os.path.join(secret_dir, "shutdown.token")
     token = new_token_file(token_file)
     try:
+        ready = {name: Path(secret_dir) / f"ready-{i}" for i, (name, _) in enumerate(servers)}
         for (p, ep), (name, _) in zip(mine, servers):
-            group.spawn(name, server_argv(cfg, cfg.parts, p, ep, cluster_file, token_file))
-        wait_ready(group, servers, node.startup_timeout_s)
+            group.spawn(name, server_argv(cfg, cfg.parts, p, ep, cluster_file, token_file,
+                                          str(ready[name])))
+        wait_ready(group, servers, node.startup_timeout_s, ready)
         print(dumps_strict({"event": "ready", "cluster": str(cluster_file),
                             "servers": [ep for _, ep in mine]}), flush=True)
         while True:

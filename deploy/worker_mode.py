@@ -251,11 +251,14 @@ def start_servers(cfg: WorkerModeConfig, group: ProcessGroup, parts: str, num_pa
     token_file = str(sock_dir / "shutdown.token")
     token = new_token_file(token_file)
     servers: list[tuple[str, str]] = []
+    ready: dict[str, Path] = {}
     for p, ep in cluster.all_endpoints():
         name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
-        group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file, token_file))
+        ready[name] = sock_dir / f"{ep.rsplit('/', 1)[-1]}.ready"
+        group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file, token_file,
+                                      str(ready[name])))
         servers.append((name, ep))
-    wait_ready(group, servers, cfg.startup_timeout_s)
+    wait_ready(group, servers, cfg.startup_timeout_s, ready)
     return cluster_file, servers, token
 
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cluster import ClusterSpec
-from common.config import TrainerConfig, to_dict
+from common.config import InferConfig, TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
 from common.logs import bars_allowed
@@ -83,7 +83,8 @@ class DDPSetup:
     launcher_tty: bool = False  # bars on although stderr is a pipe (see DDPConfig)
 
 
-def _device(cfg: TrainerConfig, local_rank: int) -> torch.device:
+def pick_device(cfg: TrainerConfig | InferConfig, local_rank: int) -> torch.device:
+    """The torch device for ``--device`` (auto: this rank's GPU when CUDA is present)."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; "
@@ -171,7 +172,7 @@ def _init_ddp(cfg: TrainerConfig, ddp: DDPSetup) -> torch.device:
     torch.manual_seed(cfg.seed)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    device = _device(cfg, ddp.local_rank)
+    device = pick_device(cfg, ddp.local_rank)
     if ddp.world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -182,7 +183,8 @@ def _init_ddp(cfg: TrainerConfig, ddp: DDPSetup) -> torch.device:
     return device
 
 
-def _make_pool(cfg: TrainerConfig) -> ServerPool:
+def make_pool(cfg: TrainerConfig | InferConfig) -> ServerPool:
+    """The trainer's server pool from the cluster file and the connection options."""
     cluster = ClusterSpec.load(cfg.cluster)
     curve = None
     if cfg.curve_secret_key:
@@ -689,7 +691,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
                            if emb_bytes is not None else None),
         "final_loss": round(fit.history[-1]["loss"], 4) if fit.history else None,
         "config": {k: v for k, v in to_dict(cfg).items()
-                   if k in ("fanouts", "batch_size", "hidden", "lr", "dropout", "model")},
+                   if k in ("fanouts", "batch_size", "hidden", "lr", "dropout", "model",
+                            "eval")},
         "run_dir": str(run.files.dir),
         "files": run.files.files(run.ckpt.kept, fit.best["epoch"] >= 0),
     }
@@ -731,7 +734,7 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> 
     device = _init_ddp(cfg, ddp)
     ring = pool = None
     try:
-        pool = _make_pool(cfg)
+        pool = make_pool(cfg)
         info = pool.info()
         plan, ckpt = _plan_run(cfg, ddp, device, info)
         ring = make_ring(cfg, info, device)
