@@ -30,11 +30,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError, RemoteError
 from common.messages import Message
-from common.rpc import RpcChannel, expect
+from common.rpc import RECONNECT_GRACE_S, RpcChannel, expect
 from common.sockets import Deadline
 
 log = logging.getLogger("mfgserve.replicas")
@@ -61,7 +62,8 @@ class ReplicaSet:
 
     def __init__(self, partitions: Mapping[int, Sequence[str]],
                  connect: Callable[[str], RpcChannel], *, suspect_s: float = SUSPECT_S,
-                 set_id: str = "", clock: Callable[[], float] = time.monotonic):
+                 set_id: str = "", clock: Callable[[], float] = time.monotonic,
+                 fail_fast: bool = False):
         self.partitions = {p: list(eps) for p, eps in partitions.items()}
         self.connect = connect
         self.suspect_s = suspect_s
@@ -74,6 +76,10 @@ class ReplicaSet:
         self._buffered: dict[tuple[str, int], Message] = {}
         self._inflight: dict[tuple[str, int], Handle] = {}
         self._closed = False
+        # A part left without servers ends every wait at once, not only waits on that part's
+        # requests (a trainer cannot finish an epoch without every part; a request to another
+        # part may be stuck behind a server waiting on the lost one for its peer timeout).
+        self.fail_fast = fail_fast
 
     # ------------------------------------------------------------------ policy
     def channel(self, endpoint: str) -> RpcChannel:
@@ -147,7 +153,9 @@ class ReplicaSet:
                 return reply
             ch = handle.channel
             try:
-                self._receive(ch, f"the reply to {handle.msg.TYPE.name} for part {handle.part}")
+                self._receive(ch, f"the reply to {handle.msg.TYPE.name} for part {handle.part}",
+                              meanwhile=partial(self._check_others, ch) if self.fail_fast
+                              else None)
             except (PeerDisconnectedError, PeerTimeoutError) as e:
                 if isinstance(e, PeerTimeoutError):
                     self.mark_suspect(ch.endpoint)
@@ -197,11 +205,29 @@ class ReplicaSet:
             self._fail(handle, MfgServeError("cancelled"))
 
     # ------------------------------------------------------------------ internals
-    def _receive(self, ch: RpcChannel, waiting_for: str, timeout_s: float | None = None) -> None:
+    def _check_others(self, awaited: RpcChannel) -> None:
+        """While waiting on ``awaited``: fail over the requests of any other channel whose
+        connection dropped, and raise at once if that leaves a part with no server."""
+        for ep, ch in list(self.channels.items()):
+            if ch is awaited or not any(e == ep for e, _ in self._inflight):
+                continue
+            ch.poll_events()
+            if not ch.lost:
+                continue
+            victims = [h for (e, _), h in self._inflight.items() if e == ep]
+            self._failover_channel(ch, PeerDisconnectedError(
+                f"the connection to server {ep} dropped with {len(ch.lost)} request(s) "
+                f"unanswered: {ch.diagnose(RECONNECT_GRACE_S, dropped=True)}"))
+            lost = next((h.error for h in victims if h.error is not None), None)
+            if lost is not None:
+                raise lost
+
+    def _receive(self, ch: RpcChannel, waiting_for: str, timeout_s: float | None = None,
+                 meanwhile: Callable[[], None] | None = None) -> None:
         """Receive one reply on ``ch`` into the buffer; an error reply fails its own handle
         (which may not be the one awaited)."""
         try:
-            reply, rid = ch.recv(timeout_s, waiting_for=waiting_for)
+            reply, rid = ch.recv(timeout_s, waiting_for=waiting_for, meanwhile=meanwhile)
         except RemoteError as e:
             victim = self._inflight.get((ch.endpoint, e.rid))
             if victim is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -31,6 +32,7 @@ _WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CLOSED
             | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+MEANWHILE_S = 0.25  # RpcChannel.recv's ``meanwhile`` period
 RECONNECT_GRACE_S = 0.5  # after a drop, how long reconnect attempts are watched to say why
 _FROZEN = ("it accepts connections but answers nothing (no heartbeat, no handshake): the "
            "server process is frozen (stopped or hung) or overloaded")
@@ -96,12 +98,13 @@ class RpcChannel:
         self.pending.add(rid)
         return rid
 
-    def recv(self, timeout_s: float | None = None,
-             waiting_for: str = "a reply") -> tuple[Message, int]:
+    def recv(self, timeout_s: float | None = None, waiting_for: str = "a reply",
+             meanwhile: Callable[[], None] | None = None) -> tuple[Message, int]:
         """Next reply to one of our pending requests; stale replies are dropped.
 
         Raises PeerDisconnectedError if the connection drops with requests unanswered,
-        PeerTimeoutError at the deadline, RemoteError for an error reply.
+        PeerTimeoutError at the deadline, RemoteError for an error reply. ``meanwhile`` is
+        called every ``MEANWHILE_S`` while nothing arrives (it may raise to stop waiting).
         """
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = Deadline(limit)
@@ -115,7 +118,11 @@ class RpcChannel:
                     f"the connection to server {self.endpoint} dropped with {len(self.lost)} "
                     f"request(s) unanswered while we waited for {waiting_for}: "
                     f"{self.diagnose(RECONNECT_GRACE_S, dropped=True)}")
-            events = dict(poller.poll(int(deadline.left() * 1000)))
+            step = deadline.left() if meanwhile is None else min(deadline.left(), MEANWHILE_S)
+            events = dict(poller.poll(int(step * 1000)))
+            if not events and meanwhile is not None and deadline.left() > 0:
+                meanwhile()
+                continue
             if not events:
                 raise PeerTimeoutError(
                     f"no reply from server {self.endpoint} within {limit:.1f}s while waiting "

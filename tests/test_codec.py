@@ -449,7 +449,8 @@ def test_header_too_large():
     assert error_code(frames) == "bad_header"
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, 99, "3", None])
+@pytest.mark.parametrize("version", [*range(PROTOCOL_VERSION), PROTOCOL_VERSION + 1, 99,
+                                     str(PROTOCOL_VERSION), None])
 def test_wrong_protocol_version(version):
     with pytest.raises(ProtocolError) as info:
         codec.decode(with_header(wire(Ping()), v=version))

@@ -220,7 +220,8 @@ def test_cora_sage_matches_whole_graph(cora, tmp_path):
         f"part-{p}/{k}.npy" for p in range(2) for k in ("pred", "logits", "emb", "orig_ids"))
     _check_against_reference(cora, model, out, summary)
     index = json.loads((out / "index.json").read_text())
-    assert index["sampled"] == {"valid_acc": 0.5, "test_acc": 0.25, "best_epoch": 3}
+    assert index["sampled"] == {"valid_acc": 0.5, "test_acc": 0.25, "best_epoch": 3,
+                                "eval": "sampled"}
     assert index["model_spec"] == spec
     assert g.accuracy(g.layers(model)[-1], "test") > 0.7  # a trained model, not noise
 

@@ -140,3 +140,34 @@ def test_dead_peer_errors_say_what_happened(tmp_path):
         ch.send(StatsRequest())
         with pytest.raises(TimeoutError, match="nothing listens"):
             ch.recv()
+
+
+def test_a_lost_part_ends_a_wait_on_another_part(server_factory, synth_parts2, tmp_path):
+    """Head of line: the trainer waits on part 1's reply while part 1's server waits (its peer
+    timeout, 20 s here) on part 0, which froze. The trainer's own connection to part 0 shows
+    the loss (heartbeats); with no replica left for part 0 the wait on part 1 ends at once
+    with the error naming part 0, instead of after part 1's peer timeout. (Seen as a flaky
+    SIGSTOP case of the test above when the batch in front belonged to part 1.)"""
+    from common.errors import PeerDisconnectedError
+    from common.messages import SampleRequest
+
+    cluster, servers = _tcp_servers(server_factory, synth_parts2, tmp_path)
+    pool = ServerPool(ClusterSpec.load(str(cluster)), timeout_s=60.0,
+                      max_message_bytes=256 << 20, heartbeat_s=1.0,
+                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    frozen = servers[0].proc
+    try:
+        offsets = pool.info().node_offsets
+        part1 = torch.arange(offsets[1], offsets[2])  # all-neighbour hops reach part 0
+        os.kill(frozen.pid, signal.SIGSTOP)
+        waited_on = pool.submit(1, SampleRequest(seeds=part1, fanouts=[-1, -1]))
+        pool.submit(0, SampleRequest(seeds=torch.arange(offsets[0], offsets[0] + 8),
+                                     fanouts=[5]))
+        t0 = time.monotonic()
+        with pytest.raises(PeerDisconnectedError, match="part 0 has no server left"):
+            pool.wait(waited_on)
+        assert time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S + SLACK_S, \
+            "the wait lasted until part 1's peer timeout"
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+        pool.close()

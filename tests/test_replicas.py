@@ -70,7 +70,7 @@ class FakeChannel:
             self.pending.pop(rid, None)
         self.lost -= set(rids)
 
-    def recv(self, timeout_s=None, waiting_for=""):
+    def recv(self, timeout_s=None, waiting_for="", meanwhile=None):
         if self.lost or self.mode == "drop":
             if self.up:
                 self.up, self.last_disconnect = False, self.clock()

@@ -38,7 +38,7 @@ class ServerPool(ReplicaSet):
         super().__init__(cluster.partitions, partial(
             RpcChannel, self.ctx, timeout_s=timeout_s, setting="--request-timeout-s",
             max_message_bytes=max_message_bytes, curve=curve, heartbeat_s=heartbeat_s,
-            heartbeat_timeout_s=heartbeat_timeout_s), suspect_s=suspect_s)
+            heartbeat_timeout_s=heartbeat_timeout_s), suspect_s=suspect_s, fail_fast=True)
 
     # ------------------------------------------------------------------ setup calls
     def info(self) -> Pong:
