@@ -89,6 +89,7 @@ class ServerProcess:
         if cluster is not None:
             argv += ["--cluster", str(cluster)]
         self.checked = False  # set once stop_and_check ran (the fixture skips it then)
+        self._terminated = False
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=REPO)
@@ -105,11 +106,17 @@ class ServerProcess:
             time.sleep(0.05)
         self.endpoint = self.ready.read_text().strip() or self.endpoint
 
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one could land while the server is already exiting, after
+        Python has put the default handlers back, and kill it (exit -15) mid-teardown."""
+        if not self._terminated and self.proc.poll() is None:
+            self._terminated = True
+            self.proc.terminate()
+
     def stop_and_check(self, timeout: float = 20.0, expect_code: int | None = 0) -> int:
         """SIGTERM (no-op if already gone), wait, and assert the exit code (None: any)."""
         self.checked = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        self.terminate()
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -56,8 +56,7 @@ def clusters(synth_parts2, tmp_path_factory):
             p.close()
         errors = []
         for s in servers:  # all told at once, then each waited for and checked
-            if s.proc.poll() is None:
-                s.proc.terminate()
+            s.terminate()
         for s in servers:
             try:
                 s.stop_and_check(60)

@@ -278,8 +278,22 @@ class DistNodeDataLoader:
             if ready is not None:
                 out, ready = self._finish(ready), None
                 yield out.input_nodes, out.output_nodes, out
+        except Exception:
+            self._drop(inflight)
+            raise
         finally:
             self._abandon(inflight)
+
+    def _drop(self, inflight: deque) -> None:
+        """A request failed (a part lost its servers, an error reply): the trainer stops, so
+        nothing waits for the requests still in flight. A server still sampling into a ring
+        slot may write it later; those slots are never reused. (Waiting here could last
+        another part's whole peer timeout: its server may be stuck on the lost part.)"""
+        for handle, slot in inflight:
+            self.pool.cancel(handle)
+            if slot is not None and self.ring is not None:
+                self.ring.poison(slot)
+        inflight.clear()
 
     def _abandon(self, inflight: deque) -> None:
         """Requests still in flight when iteration stops early (a break, or an error). A
