@@ -76,6 +76,8 @@ def run_cli(module: str, args: list[str], timeout: float, cwd: Path | None = Non
 
 
 class ServerProcess:
+    _terminated = False  # terminate() sent its SIGTERM (class default: subclasses too)
+
     def __init__(self, parts: Path, part_id: int, endpoint: str, cluster: Path | None,
                  workdir: Path, extra: list[str], prefix: list[str] | None = None):
         self.endpoint = endpoint
@@ -89,7 +91,6 @@ class ServerProcess:
         if cluster is not None:
             argv += ["--cluster", str(cluster)]
         self.checked = False  # set once stop_and_check ran (the fixture skips it then)
-        self._terminated = False
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=REPO)
