@@ -68,8 +68,11 @@ class RpcChannel:
         self.max_message_bytes = max_message_bytes
         self.sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, hwm=hwm,
                                 max_message_bytes=max_message_bytes, curve=curve,
-                                heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
-        self.monitor = self.sock.get_monitor_socket(_WATCHED)
+                                heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                monitor_events=_WATCHED)
+        # attached before the connect: a CONNECTED event missed would turn "frozen" into
+        # "unreachable" in diagnose()
+        self.monitor = self.sock.get_monitor_socket()
         self.pending: set[int] = set()
         self.lost: set[int] = set()
         # No disconnect since the last completed handshake. A frozen server still accepts

@@ -50,8 +50,12 @@ def _load_cert(path: str, need_secret: bool) -> tuple[bytes, bytes | None]:
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
                 hwm: int = 1000, linger_ms: int = 0, identity: bytes | None = None,
                 max_message_bytes: int = -1, curve: CurveKeys | None = None,
-                heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 0.0) -> zmq.Socket:
+                heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 0.0,
+                monitor_events: int = 0) -> zmq.Socket:
     """One socket, bound or connected, with linger, high-water marks and a size cap set.
+
+    ``monitor_events`` attaches a connection monitor (``sock.get_monitor_socket()`` then
+    returns it) before the connect, so no event of the first connection attempt is missed.
 
     ``heartbeat_s`` > 0 makes libzmq ping the peer every ``heartbeat_s`` seconds and drop the
     connection when nothing comes back within ``heartbeat_timeout_s`` (ZMTP heartbeats, run
@@ -81,12 +85,16 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    monitor = sock.get_monitor_socket(monitor_events) if monitor_events else None
     try:
         if bind:
             sock.bind(_wildcard(endpoint))
         else:
             sock.connect(endpoint)
     except zmq.ZMQError as e:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
         sock.close(0)
         verb = "bind" if bind else "connect"
         raise OSError(f"cannot {verb} {endpoint}: {e}; choose another endpoint "

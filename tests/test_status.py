@@ -193,3 +193,45 @@ def test_windowed_tally_keeps_the_last_minute():
     tally.add(requests=1)  # reuses second 1030's bucket slot (1095 % 60 == 1035 % 60)
     window, _ = tally.window()
     assert window.requests == 1 and tally.snapshot().requests == 8
+
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_listener_reads_frozen_even_if_the_caller_stalls_after_connecting():
+    """The connection monitor is attached before the connect (make_socket's monitor_events):
+    a caller preempted between connecting and reading events (a loaded machine) still sees
+    the first CONNECTED event, so a listener that accepts but never answers (a SIGSTOPped
+    server) reads "frozen", not "unreachable" (a CI run once lost that event when the
+    monitor was attached after the connect)."""
+    import socket
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from common.rpc import RpcChannel
+    from common.sockets import make_socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # the kernel completes handshakes; nobody ever accepts
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False,
+                           monitor_events=zmq.EVENT_CONNECTED)
+        time.sleep(0.5)  # the stall: the IO thread connects meanwhile
+        monitor = sock.get_monitor_socket()
+        assert monitor.poll(5000), "the CONNECTED event was lost"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+        ch = RpcChannel(ctx, endpoint, timeout_s=1.0, setting="--timeout-s")
+        try:
+            time.sleep(0.5)
+            assert ch.sock.get_monitor_socket() is ch.monitor
+            assert "frozen" in ch.diagnose(0.5, dropped=False)
+        finally:
+            ch.close()
+    finally:
+        ctx.term()
+        listener.close()
