@@ -1,0 +1,103 @@
+"""``python -m benchmarks.datapath`` and ``python -m benchmarks.limits`` end to end on a tiny
+1-part set (20k nodes): they exit 0 and the last stdout line is JSON of the documented shape.
+Timings are never asserted, only that they were measured (present and positive)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+from procs import REPO
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """A 1-part set of a 20k-node synthetic graph, as benchmarks/graphs.py writes one."""
+    from benchmarks.graphs import synthetic_data
+    from partition.partitioner import partition_graph
+
+    args = argparse.Namespace(avg_degree=10.0, feat_dim=16, num_classes=5, seed=0,
+                              train_frac=0.1, eval_frac=0.01)
+    out = tmp_path_factory.mktemp("datapath") / "set"
+    data = synthetic_data(20_000, args)
+    partition_graph(data, 1, out, seed=0, progress=False, presample_batches=0)
+    return out
+
+
+def _run(argv: list[str], timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _positive(d: dict, *keys: str) -> None:
+    for k in keys:
+        assert d.get(k) is not None and d[k] > 0, (k, d.get(k))
+
+
+@pytest.mark.timeout(120)
+def test_datapath_small(parts):
+    s = _run(["benchmarks.datapath", "--parts", str(parts), "--fanouts", "5,5",
+              "--batch-size", "256", "--num-batches", "3", "--warmup", "1"], timeout=110)
+    assert {"config", "results", "ratios", "errors"} <= s.keys()
+    assert s["errors"] == {}
+    r = s["results"]
+    assert set(r) == {"datapath-mfgserve-1srv", "datapath-mfgserve-2srv", "datapath-dgl-w0",
+                      "datapath-dgl-w1"}
+    for n in (1, 2):
+        m = r[f"datapath-mfgserve-{n}srv"]
+        assert m["servers"] == n and m["parts"] == 1 and m["batches"] == 3
+        _positive(m, "seeds_per_s", "batches_per_s", "server_cpu_s",
+                  "seeds_per_sampler_cpu_s", "seeds_per_total_cpu_s", "configured_sampler_cores")
+        assert m["exit_codes"] == [0] * n and m["clean_exit"] is True
+        assert m["teardown"] in ("none", "polite")
+        assert m["shm_ring"] is True and m["replies_in_ring"] > 0  # the ring was used
+    for w in (0, 1):
+        d = r[f"datapath-dgl-w{w}"]
+        assert d["num_workers"] == w and d["batches"] == 3
+        _positive(d, "seeds_per_s", "sampler_cpu_s", "seeds_per_sampler_cpu_s",
+                  "seeds_per_total_cpu_s")
+    _positive(s["ratios"], "per_core_1srv", "per_core_2srv", "per_total_cpu_1srv",
+              "seeds_per_s_2srv")
+
+
+@pytest.mark.timeout(60)
+def test_limits_small(parts):
+    s = _run(["benchmarks.limits", "--parts", str(parts), "--fanouts", "5,5",
+              "--batch-size", "256", "--num-batches", "2", "--repeats", "1",
+              "--mem-mib", "32", "--mem-repeats", "2"], timeout=55)
+    r = s["results"]
+    assert set(r) == {"limits-memory", "limits-gather", "limits-sampling", "limits-distance"}
+    _positive(r["limits-memory"], "copy_gbps")
+    g = r["limits-gather"]
+    for k in ("ours_into_slot", "ours_new_tensor", "dgl_index_select", "index_select_into_out"):
+        _positive(g[k], "payload_gbps", "of_copy")
+    smp = r["limits-sampling"]
+    assert smp["sampled_edges"] > 0
+    for k in ("ours_seeded", "ours_unseeded", "dgl_sample_neighbors"):
+        _positive(smp["per_hop"][k], "ns_per_edge_wall")
+    for k in ("ours_seeded", "ours_unseeded", "dgl_sample_blocks"):
+        _positive(smp["mfg"][k], "ns_per_edge_wall")
+    d = r["limits-distance"]
+    _positive(d, "copy_gbps", "gather_ours_into_slot_of_copy", "sample_ours_seeded_vs_dgl",
+              "mfg_ours_seeded_vs_dgl")
+    _positive(d["per_batch"], "input_rows", "sampled_edges", "seeds_per_core_s_ours")
+
+
+def test_settings_from_run_namespace():
+    """run_step reads benchmarks.run's Namespace (optional fields may be missing)."""
+    from benchmarks import datapath, limits
+
+    ns = argparse.Namespace(fanouts=[15, 10, 5], batch_size=1024, hidden=256, dropout=0.0,
+                            seed=3, max_batches=None, server_workers=2, inflight=4,
+                            shm_ring=True, num_threads=None)
+    d = datapath.Settings.from_args(ns)
+    assert (d.num_batches, d.servers, d.dgl_workers, d.seed) == (30, [1, 2], [0, 1], 3)
+    ns.max_batches = 7
+    assert datapath.Settings.from_args(ns).num_batches == 7
+    lim = limits.Settings.from_args(ns)
+    assert lim.fanouts == [15, 10, 5] and lim.mem_mib == 1024
