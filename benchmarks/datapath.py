@@ -30,6 +30,8 @@ fanouts and batch size, for each ``--dgl-workers`` value; the consumer touches t
 tensors. Its sampler CPU seconds are those of the process(es) doing sampling + gathering:
 this process for ``num_workers`` 0 (DGL's sampler may use several OpenMP threads: counted),
 the worker processes for ``num_workers`` >= 1 (the main process is given apart).
+``touch_s`` is the wall time of the consumer's sums in the window on both sides (with DGL
+``num_workers`` 0 it is inside the sampler CPU seconds, a few percent of them).
 
 Ratios (mfgserve / DGL, > 1: mfgserve better) against DGL's best ``num_workers``: per sampler
 CPU-second (``per_core_*``), per CPU-second of all processes involved (``per_total_cpu_*``),
@@ -148,7 +150,7 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
                      batch_size: int, num_batches: int, warmup: int = 3,
                      server_workers: int = 2, sampler_procs: int = 0, inflight: int = 4,
                      shm_ring: bool = True, seed: int = 0, num_threads: int | None = None,
-                     startup_timeout_s: float = 120.0, shutdown_timeout_s: float = 10.0
+                     startup_timeout_s: float = 120.0, shutdown_timeout_s: float = 20.0
                      ) -> dict:
     """Start the servers as worker-mode does, pull ``warmup + num_batches`` batches through
     the trainer loader touching features and labels, stop the servers; figures of the last
@@ -224,7 +226,7 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
             "server_busy_s": round(busy_s, 3),
             "server_stage_s": {k: round(busy[k], 3) for k in _BUSY},
             "seeds_per_server_busy_s": round(n_seeds / max(busy_s, 1e-9), 1),
-            "consumer_cpu_s": round(consumer_cpu, 3),
+            "consumer_cpu_s": round(consumer_cpu, 3), "touch_s": round(got["touch_s"], 4),
             "total_cpu_s": round(server_cpu + consumer_cpu, 3),
             "seeds_per_total_cpu_s": round(n_seeds / max(server_cpu + consumer_cpu, 1e-9), 1),
             "replies_in_ring": loader.stats.ring_hits,
@@ -238,15 +240,14 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
         if ring is not None:
             ring.close()
         ctx.term()
+        t_stop = time.perf_counter()
         group.teardown(shutdown_timeout_s, polite=lambda: shutdown_servers(servers, token))
         shutil.rmtree(sock_dir, ignore_errors=True)
     codes = [c.proc.returncode for c in group.children]
     clean = bool(codes) and all(c == 0 for c in codes) and group.escalation in ("none",
                                                                                  "polite")
-    result.update({"exit_codes": codes, "teardown": group.escalation, "clean_exit": clean})
-    if not clean:
-        raise DataPathError(f"servers did not exit cleanly: exit codes {codes}, teardown "
-                            f"{group.escalation}")
+    result.update({"exit_codes": codes, "teardown": group.escalation,
+                   "teardown_s": round(time.perf_counter() - t_stop, 3), "clean_exit": clean})
     return result
 
 
@@ -257,18 +258,20 @@ def _consume_mfgserve(loader, num_batches: int, warmup: int, snapshot) -> dict:
     check = 0.0
     before = after = None
     t0 = time.perf_counter()
-    elapsed = 0.0
+    elapsed = touch_s = 0.0
     epoch = 0
     while seen < total:
         loader.set_epoch(epoch)
         for in_nodes, out_nodes, mfg in loader:
             x = mfg[0].srcdata["feat"]
             y = mfg[-1].dstdata["label"]
+            t_touch = time.perf_counter()
             check += float(x.sum()) + float(y.sum())  # the features and labels, touched
             seen += 1
             if seen == warmup:
-                before, t0 = snapshot(), time.perf_counter()
+                before, t0, touch_s = snapshot(), time.perf_counter(), 0.0
             elif seen > warmup:
+                touch_s += time.perf_counter() - t_touch
                 seeds += out_nodes.numel()
                 input_nodes += in_nodes.numel()
                 feat_bytes += x.numel() * x.element_size() + y.numel() * y.element_size()
@@ -283,7 +286,8 @@ def _consume_mfgserve(loader, num_batches: int, warmup: int, snapshot) -> dict:
     if before is None:  # warmup 0
         raise DataPathError("warmup must be >= 1 (the timed window starts after it)")
     return {"batches": num_batches, "seeds": seeds, "input_nodes": input_nodes,
-            "feat_bytes": feat_bytes, "elapsed_s": elapsed, "before": before, "after": after,
+            "feat_bytes": feat_bytes, "elapsed_s": elapsed, "touch_s": touch_s,
+            "before": before, "after": after,
             "checksum_finite": bool(torch.isfinite(torch.tensor(check)))}
 
 
@@ -322,17 +326,19 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
     check = 0.0
     t0 = time.perf_counter()
     w0 = w1 = {}
-    own0 = own1 = elapsed = 0.0
+    own0 = own1 = elapsed = touch_s = 0.0
     with _torch_threads(num_threads):
         while seen < total:
             for in_nodes, out_nodes, blocks in loader:
                 x = blocks[0].srcdata["feat"]
                 y = blocks[-1].dstdata["label"]
+                t_touch = time.perf_counter()
                 check += float(x.sum()) + float(y.sum())
                 seen += 1
                 if seen == warmup:
-                    w0, own0, t0 = workers(), _own_cpu(), time.perf_counter()
+                    w0, own0, t0, touch_s = workers(), _own_cpu(), time.perf_counter(), 0.0
                 elif seen > warmup:
+                    touch_s += time.perf_counter() - t_touch
                     seeds += out_nodes.numel()
                     input_nodes += in_nodes.numel()
                     feat_bytes += x.numel() * x.element_size() + y.numel() * y.element_size()
@@ -353,6 +359,7 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
         "sampler_cores_busy": round(sampler_cpu / max(elapsed, 1e-9), 3),
         "seeds_per_sampler_cpu_s": round(seeds / max(sampler_cpu, 1e-9), 1),
         "main_cpu_s": round(main_cpu, 3), "worker_cpu_s": round(worker_cpu, 3),
+        "touch_s": round(touch_s, 4),
         "total_cpu_s": round(main_cpu + worker_cpu, 3),
         "seeds_per_total_cpu_s": round(seeds / max(main_cpu + worker_cpu, 1e-9), 1),
         "checksum_finite": bool(torch.isfinite(torch.tensor(check))),
@@ -376,6 +383,7 @@ class Settings:
     dgl_workers: list[int]
     seed: int
     num_threads: int | None
+    shutdown_timeout_s: float = 20.0
 
     @classmethod
     def from_args(cls, args) -> Settings:
@@ -391,7 +399,8 @@ class Settings:
             inflight=int(g(args, "inflight", 4) or 4),
             shm_ring=bool(g(args, "shm_ring", True)),
             dgl_workers=list(g(args, "dgl_workers", [0, 1])),
-            seed=int(g(args, "seed", 0) or 0), num_threads=g(args, "num_threads", None) or None)
+            seed=int(g(args, "seed", 0) or 0), num_threads=g(args, "num_threads", None) or None,
+            shutdown_timeout_s=float(g(args, "shutdown_timeout_s", 20.0) or 20.0))
 
 
 def _best(rows: list[dict], key: str) -> float | None:
@@ -435,11 +444,16 @@ def measure(parts: str | Path, s: Settings, log=None) -> tuple[dict, dict]:
         name = f"{STEP}-mfgserve-{n}srv"
         note(f"{name}: {n} server(s) x {s.sampler_procs or s.server_workers} samplers")
         try:
-            results[name] = measure_mfgserve(
+            r = results[name] = measure_mfgserve(
                 parts, servers_per_part=n, fanouts=s.fanouts, batch_size=s.batch_size,
                 num_batches=s.num_batches, warmup=s.warmup, server_workers=s.server_workers,
                 sampler_procs=s.sampler_procs, inflight=s.inflight, shm_ring=s.shm_ring,
-                seed=s.seed, num_threads=s.num_threads)
+                seed=s.seed, num_threads=s.num_threads,
+                shutdown_timeout_s=s.shutdown_timeout_s)
+            if not r["clean_exit"]:  # the figures stand; the unclean exit is an error
+                errors[name] = (f"servers did not exit cleanly: exit codes {r['exit_codes']}, "
+                                f"teardown {r['teardown']} after {r['teardown_s']} s (a "
+                                "Shutdown message gets half of --shutdown-timeout-s)")
         except Exception as e:  # recorded; the other measurements still run
             errors[name] = f"{type(e).__name__}: {e}"
             note(traceback.format_exc())
@@ -468,13 +482,17 @@ def run_step(parts: Path, args) -> dict[str, dict]:
     batch_size, max_batches (timed batches; default 30), seed, server_workers, inflight,
     shm_ring, num_threads; optional: dgl_workers (default 0,1), worker_sampler_procs
     (default 0), datapath_servers (default 1,2), warmup (default 3). A measurement that
-    fails raises (after the others ran) with every error named."""
+    fails raises :class:`DataPathError` (after the others ran) naming every error; its
+    ``results`` attribute holds what did run."""
     from benchmarks.report import logger
 
     results, errors = measure(parts, Settings.from_args(args), logger(STEP))
+    out = {**results, f"{STEP}-ratios": ratios(results)}
     if errors:
-        raise DataPathError("; ".join(f"{k}: {v}" for k, v in errors.items()))
-    return {**results, f"{STEP}-ratios": ratios(results)}
+        err = DataPathError("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        err.results = out  # type: ignore[attr-defined]  # what did run, for the caller
+        raise err
+    return out
 
 
 # ------------------------------------------------------------------ CLI
@@ -514,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "same-host trainer has it)")
     p.add_argument("--dgl-workers", type=_int_list, default=[0, 1],
                    help="DGL DataLoader num_workers values (default 0,1; empty: no DGL)")
+    p.add_argument("--shutdown-timeout-s", type=float, default=20.0,
+                   help="seconds for the servers to exit: a Shutdown message, after half of "
+                        "it SIGTERM, then SIGKILL; anything but a clean exit to the Shutdown "
+                        "message is an error (default 20)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch threads of this (consumer) process; 0 keeps torch's default")
@@ -566,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                  num_batches=args.num_batches, warmup=args.warmup, servers=args.servers,
                  server_workers=args.server_workers, sampler_procs=args.sampler_procs,
                  inflight=args.inflight, shm_ring=args.shm_ring, dgl_workers=args.dgl_workers,
-                 seed=args.seed, num_threads=args.num_threads or None)
+                 seed=args.seed, num_threads=args.num_threads or None,
+                 shutdown_timeout_s=args.shutdown_timeout_s)
     results, errors = measure(args.parts, s, logger(STEP))
     summary = {"config": {**dataclasses.asdict(s), "parts": str(args.parts),
                           "cores": os.cpu_count()},
