@@ -28,6 +28,8 @@ PROG = "partition-ogbn"
 EPILOG = """examples:
   partition-ogbn --dataset-dir ../shared/datasets/cora --num-parts 2 --out parts/cora2
   partition-ogbn --dataset synthetic --num-nodes 200000 --num-parts 2 --out parts/syn
+  partition-ogbn --dataset rmat --num-nodes 2100000 --avg-degree 28.6 --raw-out data/rmat
+  partition-ogbn --dataset-dir data/rmat --num-parts 1 --out parts/rmat1
   partition-ogbn --dataset ogbn-arxiv --add-reverse-edges --num-parts 4 --out parts/arxiv4"""
 
 
@@ -141,6 +143,7 @@ def _load(cfg: PartitionConfig, progress: bool):
         syn = cfg.synthetic.resolved()
         return generate(syn.num_nodes, avg_degree=syn.avg_degree, feat_dim=syn.feat_dim,
                         num_classes=syn.num_classes, seed=cfg.seed, homophily=syn.homophily,
+                        train_frac=syn.train_frac, valid_frac=syn.valid_frac,
                         progress=progress)
     from partition.ogbn import load_ogb
 
@@ -183,21 +186,84 @@ def _partition(cfg: PartitionConfig, data, progress: bool, load_s: float, t0: fl
         partition_s=st["elapsed_s"])
 
 
+def _make_rmat(cfg: PartitionConfig, out_dir: str, progress: bool) -> dict:
+    """Generate ``--dataset rmat`` and write it in OGB's binary layout to ``out_dir``."""
+    from partition.rmat import generate_rmat, write_ogb_binary
+
+    syn = cfg.synthetic.resolved("rmat")
+    t = time.perf_counter()
+    data = generate_rmat(syn.num_nodes, avg_degree=syn.avg_degree, feat_dim=syn.feat_dim,
+                         num_classes=syn.num_classes, seed=cfg.seed, a=syn.rmat_a,
+                         b=syn.rmat_b, c=syn.rmat_c, noise=syn.rmat_noise,
+                         train_frac=syn.train_frac, valid_frac=syn.valid_frac,
+                         progress=progress)
+    gen_s = time.perf_counter() - t
+    print(f"{PROG}: generated {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} "
+          f"directed edges in {gen_s:.1f} s", file=sys.stderr)
+    t = time.perf_counter()
+    try:
+        write_ogb_binary(data, out_dir, progress=progress)
+    except OSError as e:
+        raise CliError(describe_os_error(e, f"writing the OGB binary layout to {out_dir} "
+                                            "failed")) from e
+    took = time.perf_counter() - t
+    print(f"{PROG}: wrote OGB binary layout to {out_dir} in {took:.1f} s", file=sys.stderr)
+    return {"dataset": data.name, "generate_s": round(gen_s, 3), "raw_write_s": round(took, 3)}
+
+
+def _run_rmat(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
+    """``--dataset rmat``: generate into ``--raw-out`` (or a temporary directory), then, with
+    ``--out``, partition it read back through ogb exactly as ``--dataset-dir`` would."""
+    import shutil
+    import tempfile
+
+    from partition.ogbn import load_ogb
+
+    raw_dir = cfg.synthetic.raw_out
+    tmp = None
+    if not raw_dir:
+        if cfg.work_dir:
+            Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="mfgserve-rmat-", dir=cfg.work_dir or None)
+        raw_dir = tmp
+    try:
+        result = _make_rmat(cfg, raw_dir, progress)
+        if cfg.synthetic.raw_out:
+            result["raw_out"] = str(Path(raw_dir))
+            print(f"{PROG}: read it with --dataset-dir {raw_dir}", file=sys.stderr)
+        if not cfg.out:
+            return result
+        t = time.perf_counter()
+        data = load_ogb(dataset_dir=raw_dir, work_dir=cfg.work_dir or None)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    load_s = time.perf_counter() - t
+    print(f"{PROG}: loaded {data.name} through ogb: {data.num_nodes:,} nodes, "
+          f"{data.num_edges:,} directed edges in {load_s:.1f} s", file=sys.stderr)
+    result.update(num_nodes=data.num_nodes, num_edges=data.num_edges, load_s=round(load_s, 3))
+    result.update(_partition(cfg, data, progress, time.perf_counter() - t0, t0))
+    return result
+
+
 def _run(cfg: PartitionConfig) -> dict:
     from partition.partitioner import peak_rss_bytes
 
     t0 = time.perf_counter()
     progress = not cfg.no_progress
-    data = _load(cfg, progress)
-    load_s = time.perf_counter() - t0
-    print(f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} directed "
-          f"edges in {load_s:.1f} s", file=sys.stderr)
-    result: dict = {"dataset": data.name, "num_nodes": data.num_nodes,
-                    "num_edges": data.num_edges, "load_s": round(load_s, 3)}
-    if cfg.synthetic.raw_out:
-        result.update(_write_raw(data, cfg.synthetic.raw_out, progress))
-    if cfg.out:
-        result.update(_partition(cfg, data, progress, load_s, t0))
+    if cfg.dataset == "rmat":
+        result = _run_rmat(cfg, progress, t0)
+    else:
+        data = _load(cfg, progress)
+        load_s = time.perf_counter() - t0
+        print(f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} "
+              f"directed edges in {load_s:.1f} s", file=sys.stderr)
+        result = {"dataset": data.name, "num_nodes": data.num_nodes,
+                  "num_edges": data.num_edges, "load_s": round(load_s, 3)}
+        if cfg.synthetic.raw_out:
+            result.update(_write_raw(data, cfg.synthetic.raw_out, progress))
+        if cfg.out:
+            result.update(_partition(cfg, data, progress, load_s, t0))
     result["total_s"] = round(time.perf_counter() - t0, 3)
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
@@ -218,7 +284,7 @@ def _main(argv: list[str] | None) -> int:
             result = _run(cfg)
     except MemoryError:
         raise CliError("out of memory; use a machine with more memory, or a smaller dataset "
-                       "(--num-nodes / --avg-degree / --feat-dim for synthetic graphs)") from None
+                       "(--num-nodes / --avg-degree / --feat-dim for generated graphs)") from None
     except ImportError as e:  # e.g. METIS (DGL) unavailable
         raise CliError(str(e)) from e
     except FileExistsError as e:

@@ -10,11 +10,18 @@ from dataclasses import dataclass, field
 from common.config import opt
 from common.errors import ConfigError
 
+# options that belong to one generator only (the others apply to both)
+_SYNTHETIC_ONLY = ("homophily",)
+_RMAT_ONLY = ("rmat_a", "rmat_b", "rmat_c", "rmat_noise")
+# fallbacks that differ for --dataset rmat (issue 14: ~200k training seeds of 2.1M nodes)
+_RMAT_FALLBACKS = {"train_frac": 0.1, "valid_frac": 0.05}
+
 
 @dataclass
 class SyntheticConfig:
-    """The generated graph of ``--dataset synthetic``. ``None``: not given (its ``fallback``
-    applies; given with another dataset, it is an error)."""
+    """The generated graph of ``--dataset synthetic`` or ``--dataset rmat``. ``None``: not
+    given (its ``fallback`` applies, or ``_RMAT_FALLBACKS`` for rmat; given with another
+    dataset, it is an error)."""
 
     num_nodes: int | None = opt(None, "number of nodes", metavar="N", fallback=100_000)
     avg_degree: float | None = opt(
@@ -23,21 +30,46 @@ class SyntheticConfig:
     feat_dim: int | None = opt(None, "node feature dimension", metavar="D", fallback=100)
     num_classes: int | None = opt(None, "number of classes", metavar="C", fallback=47)
     homophily: float | None = opt(
-        None, "fraction of edges joining nodes of the same class, in [0, 1]", metavar="H",
-        fallback=0.8)
+        None, "synthetic only: fraction of edges joining nodes of the same class, in [0, 1]",
+        metavar="H", fallback=0.8)
+    train_frac: float | None = opt(
+        None, "fraction of the nodes in the training split (default 0.6 for synthetic, 0.1 "
+        "for rmat, where train / valid are drawn from nodes with neighbours first)",
+        metavar="F", fallback=0.6)
+    valid_frac: float | None = opt(
+        None, "fraction of the nodes in the validation split; the test split is the rest "
+        "(default 0.2 for synthetic, 0.05 for rmat)", metavar="F", fallback=0.2)
+    rmat_a: float | None = opt(
+        None, "rmat only: probability of the top-left quadrant (both endpoints in the lower "
+        "half of the id range) at each recursion level; the bottom-right one gets d = 1 - a - "
+        "b - c (Graph500: 0.57, 0.19, 0.19, 0.05). Larger a: more skewed degrees",
+        metavar="A", fallback=0.57)
+    rmat_b: float | None = opt(
+        None, "rmat only: probability of the top-right quadrant per level", metavar="B",
+        fallback=0.19)
+    rmat_c: float | None = opt(
+        None, "rmat only: probability of the bottom-left quadrant per level", metavar="C",
+        fallback=0.19)
+    rmat_noise: float | None = opt(
+        None, "rmat only: per-level noise amplitude on the quadrant probabilities (noisy "
+        "Kronecker graphs: smooths the degree distribution), within [0, min(b, c, (a + d) / "
+        "2)]; 0 is plain RMAT", metavar="X", fallback=0.1)
     raw_out: str = opt(
-        "", "write the synthetic graph in OGB's raw layout to DIR (readable with --dataset-dir "
-        "DIR); with --out as well, also partition it", metavar="DIR")
+        "", "write the generated graph to DIR, readable with --dataset-dir DIR (synthetic: "
+        "OGB's csv raw layout; rmat: OGB's binary layout, raw/data.npz); with --out as well, "
+        "also partition it (rmat: read back from DIR through ogb)", metavar="DIR")
 
-    def given(self) -> list[str]:
-        """The graph options set (not None), as flags."""
+    def given(self, names: tuple[str, ...] | None = None) -> list[str]:
+        """The graph options set (not None), as flags (only those in ``names`` if given)."""
         return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(self)
-                if "fallback" in f.metadata and getattr(self, f.name) is not None]
+                if "fallback" in f.metadata and getattr(self, f.name) is not None
+                and (names is None or f.name in names)]
 
-    def resolved(self) -> SyntheticConfig:
-        """A copy with every option not given set to its fallback."""
+    def resolved(self, dataset: str = "synthetic") -> SyntheticConfig:
+        """A copy with every option not given set to its fallback for ``dataset``."""
+        extra = _RMAT_FALLBACKS if dataset == "rmat" else {}
         return dataclasses.replace(self, **{
-            f.name: f.metadata["fallback"] for f in dataclasses.fields(self)
+            f.name: extra.get(f.name, f.metadata["fallback"]) for f in dataclasses.fields(self)
             if "fallback" in f.metadata and getattr(self, f.name) is None})
 
 
@@ -47,7 +79,10 @@ class PartitionConfig:
 
     dataset: str = opt(
         "", "an OGB node-property dataset name (ogbn-arxiv, ogbn-products, ogbn-papers100M; "
-        "downloaded into --root when missing), or 'synthetic' for a generated power-law graph. "
+        "downloaded into --root when missing), 'synthetic' for a generated power-law graph with "
+        "homophilous classes (products-shaped), or 'rmat' for a generated RMAT (Kronecker) "
+        "graph with skewed degrees, written in OGB's binary layout and read back through ogb "
+        "(see partition/rmat.py). "
         "Exactly one of --dataset / --dataset-dir is required.", metavar="NAME",
         mutex="source", mutex_required=True)
     dataset_dir: str = opt(
@@ -79,7 +114,7 @@ class PartitionConfig:
         False, "replace an existing partition set (or OGB raw directory for --raw-out) at the "
         "output path; only the set's own files are deleted, and a directory holding anything "
         "else is refused", negatable=False)
-    seed: int = opt(0, "random seed for --method random and the synthetic generator")
+    seed: int = opt(0, "random seed for --method random and the synthetic / rmat generators")
     add_reverse_edges: bool = opt(
         False, "make a directed dataset (e.g. ogbn-arxiv) bidirected by adding every edge "
         "reversed; no-op for datasets ogb already stores with inverse edges", negatable=False)
@@ -98,22 +133,31 @@ class PartitionConfig:
                               "required")
         if self.num_parts < 1:
             raise ConfigError(f"--num-parts {self.num_parts}: the number of parts must be >= 1")
-        synthetic = self.dataset == "synthetic"
-        if self.synthetic.given() and not synthetic:
+        generated = self.dataset in ("synthetic", "rmat")
+        if self.synthetic.given() and not generated:
             raise ConfigError(f"{', '.join(self.synthetic.given())} only apply to --dataset "
-                              "synthetic; remove them")
-        if self.synthetic.raw_out and not synthetic:
-            raise ConfigError("--raw-out only applies to --dataset synthetic; remove it or use "
-                              "--out")
+                              "synthetic or rmat; remove them")
+        if self.dataset == "synthetic" and self.synthetic.given(_RMAT_ONLY):
+            raise ConfigError(f"{', '.join(self.synthetic.given(_RMAT_ONLY))} only apply to "
+                              "--dataset rmat; remove them")
+        if self.dataset == "rmat" and self.synthetic.given(_SYNTHETIC_ONLY):
+            raise ConfigError(f"{', '.join(self.synthetic.given(_SYNTHETIC_ONLY))} only apply "
+                              "to --dataset synthetic; remove them")
+        if self.dataset == "rmat" and self.add_reverse_edges:
+            raise ConfigError("--add-reverse-edges does not apply to --dataset rmat (its graph "
+                              "already stores both directions of every edge); remove it")
+        if self.synthetic.raw_out and not generated:
+            raise ConfigError("--raw-out only applies to --dataset synthetic or rmat; remove it "
+                              "or use --out")
         if not self.out and not self.synthetic.raw_out:
             raise ConfigError("--out DIR is required (the directory to write the partition set "
                               "to)")
-        if synthetic:
-            self._check_synthetic(self.synthetic.resolved())
+        if generated:
+            self._check_synthetic(self.synthetic.resolved(self.dataset))
         elif self.dataset and not self.dataset.startswith("ogbn-"):
             raise ConfigError(
-                f"--dataset {self.dataset!r}: expected an ogbn-* name (e.g. ogbn-arxiv) or "
-                "'synthetic'; for a local directory use --dataset-dir DIR")
+                f"--dataset {self.dataset!r}: expected an ogbn-* name (e.g. ogbn-arxiv), "
+                "'synthetic' or 'rmat'; for a local directory use --dataset-dir DIR")
 
     def _check_synthetic(self, s: SyntheticConfig) -> None:
         if s.num_nodes < 2:
@@ -127,3 +171,23 @@ class PartitionConfig:
             raise ConfigError(
                 "--avg-degree must be >= 0, --feat-dim and --num-classes >= 1 "
                 f"(got {s.avg_degree:g}, {s.feat_dim}, {s.num_classes})")
+        if not (0 <= s.train_frac and 0 <= s.valid_frac and s.train_frac + s.valid_frac < 1):
+            raise ConfigError(
+                f"--train-frac {s.train_frac:g} and --valid-frac {s.valid_frac:g} must be >= 0 "
+                "with a sum below 1 (the test split is the rest and must not be empty)")
+        if self.dataset == "rmat":
+            self._check_rmat(s)
+
+    @staticmethod
+    def _check_rmat(s: SyntheticConfig) -> None:
+        d = 1.0 - s.rmat_a - s.rmat_b - s.rmat_c
+        if not (s.rmat_a > 0 and s.rmat_b >= 0 and s.rmat_c >= 0 and d >= -1e-9):
+            raise ConfigError(
+                f"--rmat-a {s.rmat_a:g}, --rmat-b {s.rmat_b:g}, --rmat-c {s.rmat_c:g}: the "
+                "quadrant probabilities must be >= 0 (a > 0) with a + b + c <= 1 (d = 1 - a - "
+                f"b - c, here {d:g})")
+        top = min(s.rmat_b, s.rmat_c, (s.rmat_a + max(d, 0.0)) / 2)
+        if not 0 <= s.rmat_noise <= top:
+            raise ConfigError(
+                f"--rmat-noise {s.rmat_noise:g} must be within [0, min(b, c, (a + d) / 2)] = "
+                f"[0, {top:g}], or some level's quadrant probabilities go negative")

@@ -108,11 +108,20 @@ def _check_supported(meta: dict, where: str) -> None:
 def _check_layout(src: Path, meta: dict, where: str) -> None:
     missing = [f for f in _required_raw_files(meta) if not (src / f).is_file()]
     if missing:
+        if meta.get("binary") == "True":
+            raise DatasetError(
+                f"{where}: missing {', '.join(str(src / f) for f in missing)}; meta.json says "
+                "binary=True, so the directory must hold OGB's binary raw layout (raw/data.npz, "
+                "raw/node-label.npz, split/, meta.json) -- write one with `partition-ogbn "
+                "--dataset rmat --raw-out DIR`, or set binary to False for raw/*.csv.gz files"
+            )
         raise DatasetError(
             f"{where}: missing {', '.join(str(src / f) for f in missing)}; the directory must "
             "hold the dataset in OGB raw layout (raw/*.csv.gz with node features, split/, "
             "meta.json) -- write one with `partition-ogbn --dataset synthetic --raw-out DIR`"
         )
+    if meta.get("binary") == "True":
+        _check_binary(src, where)
     split_dir = src / "split" / str(meta["split"])
     if not (split_dir / "split_dict.pt").is_file():
         absent = [
@@ -125,6 +134,80 @@ def _check_layout(src: Path, meta: dict, where: str) -> None:
             )
         for s in ("train", "valid", "test"):
             _check_split_file(split_dir / f"{s}.csv.gz", s, where)
+
+
+# data.npz members ogb's read_binary_graph_raw reads (every other member must start with
+# node_ or edge_); mfgserve needs node_feat as well
+_NPZ_REQUIRED = ("edge_index", "num_nodes_list", "num_edges_list", "node_feat")
+
+
+def _npz_headers(path: Path, where: str) -> dict[str, tuple[tuple, np.dtype]]:
+    """``{member: (shape, dtype)}`` of an ``.npz`` file, read from the array headers only."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            out = {}
+            for info in z.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = read(f)
+                out[info.filename[:-4]] = (shape, dtype)
+            return out
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise DatasetError(
+            f"{where}: cannot read {path} as a numpy .npz archive ({e}); rewrite it with "
+            "numpy.savez (see partition/rmat.py's write_ogb_binary)"
+        ) from e
+
+
+def _check_binary(src: Path, where: str) -> None:
+    """The members, shapes and dtypes ogb's binary reader and mfgserve need, checked from
+    the npz headers (nothing large is read), so a wrong file fails here with a message
+    instead of inside ogb."""
+    data = src / "raw" / "data.npz"
+    fix = (f"{data} must hold edge_index [2, E] (integers), node_feat [N, F], "
+           "num_nodes_list [N] and num_edges_list [E] (one graph), and only other members "
+           "named node_* or edge_*")
+    h = _npz_headers(data, where)
+    missing = [k for k in _NPZ_REQUIRED if k not in h]
+    if missing:
+        raise DatasetError(f"{where}: {data} lacks the member(s) {missing} (it has "
+                           f"{sorted(h)}); {fix}")
+    odd = [k for k in h if k not in _NPZ_REQUIRED and not k.startswith(("node_", "edge_"))]
+    if odd:
+        raise DatasetError(f"{where}: {data} has member(s) {odd} that ogb refuses (names must "
+                           f"start with node_ or edge_); rename or remove them. {fix}")
+    (ei_shape, ei_dtype), (nf_shape, _) = h["edge_index"], h["node_feat"]
+    if len(ei_shape) != 2 or ei_shape[0] != 2 or ei_dtype.kind not in "iu":
+        raise DatasetError(f"{where}: {data} edge_index has shape {ei_shape} and dtype "
+                           f"{ei_dtype}, expected [2, E] integers; {fix}")
+    with np.load(data) as z:
+        nn_list = np.asarray(z["num_nodes_list"]).reshape(-1)
+        ne_list = np.asarray(z["num_edges_list"]).reshape(-1)
+    if nn_list.shape != (1,) or ne_list.shape != (1,):
+        raise DatasetError(f"{where}: {data} num_nodes_list / num_edges_list hold "
+                           f"{nn_list.size} / {ne_list.size} graphs; a node-property dataset "
+                           f"has exactly one. {fix}")
+    n, e = int(nn_list[0]), int(ne_list[0])
+    if e != ei_shape[1]:
+        raise DatasetError(f"{where}: {data} num_edges_list says {e} edges but edge_index "
+                           f"has {ei_shape[1]}; {fix}")
+    if len(nf_shape) not in (1, 2) or nf_shape[0] != n:
+        raise DatasetError(f"{where}: {data} node_feat has shape {nf_shape} but "
+                           f"num_nodes_list says {n} nodes; {fix}")
+    labels = src / "raw" / "node-label.npz"
+    lh = _npz_headers(labels, where)
+    if "node_label" not in lh:
+        raise DatasetError(f"{where}: {labels} lacks the member 'node_label' (it has "
+                           f"{sorted(lh)}); write the labels as node_label [N, 1]")
+    if lh["node_label"][0][:1] != (n,):
+        raise DatasetError(f"{where}: {labels} node_label has shape {lh['node_label'][0]}, "
+                           f"expected ({n}, 1)")
 
 
 def _check_split_file(path: Path, split: str, where: str) -> None:
@@ -245,7 +328,8 @@ def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: st
     n = int(graph["num_nodes"])
     if graph.get("node_feat") is None:
         raise DatasetError(
-            f"{where} has no node features (raw/node-feat.csv.gz); mfgserve needs them"
+            f"{where} has no node features (raw/node-feat.csv.gz, or node_feat in "
+            "raw/data.npz); mfgserve needs them"
         )
     feat = np.ascontiguousarray(graph["node_feat"], dtype=np.float32)
     if feat.ndim == 1:
