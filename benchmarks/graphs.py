@@ -85,18 +85,18 @@ def _rmat_params(args: argparse.Namespace) -> dict:
     caller has them, the generator's defaults otherwise."""
     from partition.rmat import DEFAULT_NOISE, DEFAULT_PROBS
 
-    return {"a": getattr(args, "rmat_a", None) or DEFAULT_PROBS[0],
-            "b": getattr(args, "rmat_b", None) or DEFAULT_PROBS[1],
-            "c": getattr(args, "rmat_c", None) or DEFAULT_PROBS[2],
-            "noise": (DEFAULT_NOISE if getattr(args, "rmat_noise", None) is None
-                      else args.rmat_noise)}
+    given = {k: getattr(args, f"rmat_{k}", None) for k in ("a", "b", "c", "noise")}
+    defaults = dict(zip(("a", "b", "c", "noise"), (*DEFAULT_PROBS, DEFAULT_NOISE)))
+    return {k: defaults[k] if v is None else float(v) for k, v in given.items()}
 
 
 def rmat_tag(args: argparse.Namespace, n: int) -> str:
     """The cache name of the ``n``-node RMAT graph shaped by ``args`` (every setting that
     changes the graph)."""
+    from partition.rmat import GENERATOR_VERSION
+
     r = _rmat_params(args)
-    return (f"rmat-{n}n-d{args.avg_degree:g}-f{args.feat_dim}-c{args.num_classes}"
+    return (f"rmat{GENERATOR_VERSION}-{n}n-d{args.avg_degree:g}-f{args.feat_dim}-c{args.num_classes}"
             f"-tr{args.train_frac:g}-ev{args.eval_frac:g}-a{r['a']:g}-b{r['b']:g}"
             f"-c{r['c']:g}-x{r['noise']:g}-s{args.seed}")
 

@@ -54,9 +54,10 @@ from tqdm import tqdm
 from partition.graph_data import DatasetError, GraphData
 from partition.synthetic import _dedupe_sorted, _write_int_csv
 
-__all__ = ["generate_rmat", "write_ogb_binary", "DEFAULT_PROBS", "DEFAULT_NOISE",
+__all__ = ["generate_rmat", "GENERATOR_VERSION", "write_ogb_binary", "DEFAULT_PROBS", "DEFAULT_NOISE",
            "DEFAULT_TRAIN_FRAC", "DEFAULT_VALID_FRAC", "level_probs"]
 
+GENERATOR_VERSION = 1  # bump when the same arguments give another graph (cache names use it)
 DEFAULT_PROBS = (0.57, 0.19, 0.19)  # a, b, c; d = 1 - a - b - c (Graph500)
 DEFAULT_NOISE = 0.1
 DEFAULT_TRAIN_FRAC = 0.1   # ~ ogbn-products: 196k train seeds of 2.45M nodes
