@@ -23,39 +23,105 @@ at most the fanout, fanout -1 = all. The draws depend only on the seed, the rows
 their order, never on threads or processes; a multi-hop MFG gives each hop and each part its
 own seed (:func:`common.messages.derive_seed` of the sample seed, hop, part), so the server
 that owns a remote part samples it exactly as the requesting server's copy would.
+
+How it is kept fast (the same draws and the same output as the first, plainer version of
+this module, checked by tests/test_seeded_sampler.py against a copy of it): every step is one
+numpy/torch call over a whole hop's arrays, so the GIL is released for nearly all of the time
+and sampler threads run in parallel. Positions are int32 while drawn (degrees < 2^31); rows
+with repeats are found by comparing neighbours in the sorted picks, eight columns per 64-bit
+word; Floyd's per-step "already chosen" test is a compare against the earlier steps and a
+branch-free blend (a masked write was several times slower: its branches mispredict). The
+positions of the output edges are built as a (rows x fanout) matrix (``start + offset``,
+the rows above the fanout overwritten by their picks, the short rows' unused cells masked
+out) when most cells are used, else as consecutive runs by one cumulative sum (no
+``np.repeat``); the sources are then read by one ``torch.index_select`` of the CSC indices.
 """
 
 from __future__ import annotations
+
+import threading
+import warnings
 
 import numpy as np
 import torch
 from torch import Tensor
 
+# Build the position matrix when at least this share of its rows x fanout cells are edges;
+# below it (many rows under the fanout: skewed degrees) build runs and scatter the picks.
+_MATRIX_MIN_FILL = 0.6
+_warn_lock = threading.Lock()
+
+
+def _pos_dtype(deg: np.ndarray) -> type:
+    """int32 for positions within rows when every degree fits (always, in practice)."""
+    return np.int32 if deg.size == 0 or int(deg.max()) < 2**31 - 1 else np.int64
+
 
 def _floyd(deg: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """``k`` distinct positions in ``[0, deg[r])`` per row r (every deg > k), uniformly:
-    Floyd's algorithm, one vectorised step per pick. Returns shape (rows, k)."""
+    Floyd's algorithm, one vectorised step per pick. Returns shape (rows, k).
+
+    Step i (j = deg - k + i) picks t uniform in [0, j], or j when t was picked before."""
     u = rng.random((k, deg.size))
-    chosen = np.empty((k, deg.size), dtype=np.int64)
-    for i in range(k):
-        j = deg - k + i
-        t = (u[i] * (j + 1)).astype(np.int64)  # uniform in [0, j]
-        if i:
-            t = np.where((chosen[:i] == t).any(axis=0), j, t)
-        chosen[i] = t
+    it = _pos_dtype(deg)
+    j = (deg - k).astype(it)[None, :] + np.arange(k, dtype=it)[:, None]
+    np.multiply(u, j + 1, out=u)
+    chosen = u.astype(it)  # chosen[i] = t before the "picked before" test
+    for i in range(1, k):
+        t = chosen[i]
+        hit = (chosen[:i] == t).any(axis=0)
+        step = j[i]
+        np.subtract(step, t, out=step)
+        np.multiply(step, hit, out=step)
+        t += step  # t = j where hit, else t (branch-free)
     return chosen.T
+
+
+def _rows_with_repeats(picks: np.ndarray) -> np.ndarray:
+    """Indices of the rows of sorted ``picks`` (rows, k >= 2) with two equal neighbours."""
+    n, k = picks.shape
+    eq = np.zeros((n, (k + 6) // 8 * 8), dtype=bool)  # k - 1 flags, padded to 64-bit words
+    np.equal(picks[:, 1:], picks[:, :-1], out=eq[:, :k - 1])
+    words = eq.view(np.uint64)
+    any_eq = words[:, 0]
+    for c in range(1, words.shape[1]):
+        any_eq = any_eq | words[:, c]
+    return np.flatnonzero(any_eq)
 
 
 def choose_positions(deg: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """``k`` distinct positions in ``[0, deg[r])`` for each row r (every deg > k), each set
-    equally likely; shape (rows, k). Draws with replacement first (cheap, and rarely repeats
-    when the degree is much larger than k); rows that repeated are drawn again with Floyd."""
-    picks = np.sort((rng.random((deg.size, k)) * deg[:, None]).astype(np.int64), axis=1)
+    equally likely; shape (rows, k), int32 (int64 for degrees >= 2^31 - 1). Draws with replacement first (cheap, and rarely
+    repeats when the degree is much larger than k); rows that repeated are drawn again with
+    Floyd (their positions then in Floyd's order, not sorted)."""
+    r = rng.random((deg.size, k))
+    np.multiply(r, deg[:, None], out=r)
+    picks = r.astype(_pos_dtype(deg))
+    picks.sort(axis=1)
     if k > 1:
-        redo = np.nonzero((picks[:, 1:] == picks[:, :-1]).any(axis=1))[0]
+        redo = _rows_with_repeats(picks)
         if redo.size:
             picks[redo] = _floyd(deg[redo], k, rng)
     return picks
+
+
+def _runs(start: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
+    """``[start[r], start[r] + counts[r])`` for every row r (each count > 0), concatenated:
+    one cumulative sum of steps (1 inside a run, the jump to the next run's start)."""
+    pos = np.ones(total, dtype=np.int64)
+    pos[0] = start[0]
+    pos[np.cumsum(counts[:-1])] = start[1:] - (start[:-1] + counts[:-1] - 1)
+    return np.cumsum(pos, out=pos)
+
+
+def _index_tensor(a: np.ndarray) -> Tensor:
+    """``a`` as a tensor sharing its memory (read only here). A read-only (memory-mapped)
+    array makes torch warn that writing would be undefined; nothing writes it."""
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with _warn_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 def sample_csc(indptr: np.ndarray, indices: np.ndarray, local: Tensor, fanout: int,
@@ -63,16 +129,37 @@ def sample_csc(indptr: np.ndarray, indices: np.ndarray, local: Tensor, fanout: i
     """``(counts, src)`` for the rows ``local`` of a CSC (``indices[indptr[v]:indptr[v+1]]``
     are the in-neighbours of v): min(in-degree, fanout) distinct in-neighbours each (-1: all),
     concatenated in the order of ``local``; the same for the same ``seed``."""
+    if fanout < -1:
+        raise ValueError(f"fanout must be >= 0 or -1 (all in-neighbours), got {fanout}")
     rows = local.numpy()
     start = indptr[rows]
     deg = indptr[rows + 1] - start
     counts = deg if fanout == -1 else np.minimum(deg, fanout)
-    row_out = np.cumsum(counts) - counts  # where each row's sources begin in the output
-    pos = np.repeat(start - row_out, counts) + np.arange(int(counts.sum()))
-    if fanout != -1:
-        big = np.nonzero(deg > fanout)[0]
+    total = int(counts.sum())
+    big = (np.flatnonzero(deg > fanout) if fanout > 0 and total
+           else np.zeros(0, dtype=np.int64))
+    if total == 0:
+        pos = np.zeros(0, dtype=np.int64)
+    elif big.size and total >= _MATRIX_MIN_FILL * rows.size * fanout:
+        picks = choose_positions(deg[big], fanout, np.random.default_rng(seed))
+        if big.size == rows.size:
+            offset = picks
+        else:
+            offset = np.empty((rows.size, fanout), dtype=picks.dtype)
+            offset[:] = np.arange(fanout, dtype=picks.dtype)
+            offset[big] = picks
+        pos = start[:, None] + offset
+        pos = pos.ravel() if total == pos.size else pos[np.arange(fanout) < counts[:, None]]
+    else:
+        nz = np.flatnonzero(counts)
+        pos = (_runs(start, counts, total) if nz.size == rows.size
+               else _runs(start[nz], counts[nz], total))
         if big.size:
             picks = choose_positions(deg[big], fanout, np.random.default_rng(seed))
-            pos[row_out[big, None] + np.arange(fanout)] = start[big, None] + picks
-    src = torch.from_numpy(np.asarray(indices[pos], dtype=np.int64))
+            row_out = np.cumsum(counts) - counts  # where each row's sources begin
+            at = (row_out[big, None] + np.arange(fanout)).ravel()
+            pos[at] = (start[big, None] + picks).ravel()
+    src = _index_tensor(np.asarray(indices)).index_select(0, torch.from_numpy(pos))
+    if src.dtype != torch.int64:
+        src = src.long()
     return torch.from_numpy(np.asarray(counts, dtype=np.int64)), src
