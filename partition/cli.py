@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description=(
-            "Partition an OGB node-property dataset (or any dataset in OGB's raw layout, or a "
-            "synthetic graph) into the partition set that sampler servers load. Progress and a "
+            "Partition an OGB node-property dataset (or any dataset in OGB's raw layout, csv "
+            "or binary, or a generated graph: products-shaped 'synthetic' or skewed 'rmat') "
+            "into the partition set that sampler servers load. Progress and a "
             "summary go to stderr; the last stdout line is a JSON summary."
         ),
         epilog=EPILOG,

@@ -33,12 +33,12 @@ class SyntheticConfig:
         None, "synthetic only: fraction of edges joining nodes of the same class, in [0, 1]",
         metavar="H", fallback=0.8)
     train_frac: float | None = opt(
-        None, "fraction of the nodes in the training split (default 0.6 for synthetic, 0.1 "
-        "for rmat, where train / valid are drawn from nodes with neighbours first)",
+        None, "fraction of the nodes in the training split; shown: synthetic's default, "
+        "rmat's is 0.1 (rmat draws train / valid from nodes with neighbours first)",
         metavar="F", fallback=0.6)
     valid_frac: float | None = opt(
-        None, "fraction of the nodes in the validation split; the test split is the rest "
-        "(default 0.2 for synthetic, 0.05 for rmat)", metavar="F", fallback=0.2)
+        None, "fraction of the nodes in the validation split, the test split is the rest; "
+        "shown: synthetic's default, rmat's is 0.05", metavar="F", fallback=0.2)
     rmat_a: float | None = opt(
         None, "rmat only: probability of the top-left quadrant (both endpoints in the lower "
         "half of the id range) at each recursion level; the bottom-right one gets d = 1 - a - "
@@ -86,8 +86,9 @@ class PartitionConfig:
         "Exactly one of --dataset / --dataset-dir is required.", metavar="NAME",
         mutex="source", mutex_required=True)
     dataset_dir: str = opt(
-        "", "a directory in OGB's raw layout (raw/*.csv.gz, split/, RELEASE_v1.txt, "
-        "meta.json), e.g. ../shared/datasets/cora; it is only read, never written",
+        "", "a directory in OGB's raw layout (raw/*.csv.gz, or with binary=True in meta.json "
+        "raw/data.npz and raw/node-label.npz; split/, RELEASE_v1.txt, meta.json), e.g. "
+        "../shared/datasets/cora; it is only read, never written",
         metavar="DIR", mutex="source", mutex_required=True)
     root: str = opt(
         "./data/ogb", "ogb download/cache directory for --dataset ogbn-*; offline, unzip the "
@@ -119,11 +120,12 @@ class PartitionConfig:
         False, "make a directed dataset (e.g. ogbn-arxiv) bidirected by adding every edge "
         "reversed; no-op for datasets ogb already stores with inverse edges", negatable=False)
     work_dir: str = opt(
-        "", "where ogb's temporary processing directory goes (empty: --root for --dataset "
-        "ogbn-*, the system temp dir for --dataset-dir)", metavar="DIR")
+        "", "where ogb's temporary processing directory goes, and --dataset rmat's temporary "
+        "raw directory without --raw-out (empty: --root for --dataset ogbn-*, the system "
+        "temp dir otherwise)", metavar="DIR")
     synthetic: SyntheticConfig = field(
         default_factory=SyntheticConfig,
-        metadata={"help": "synthetic graph (--dataset synthetic)", "flatten": True})
+        metadata={"help": "generated graph (--dataset synthetic or rmat)", "flatten": True})
     no_progress: bool = opt(False, "hide progress bars (shown on stderr otherwise)",
                             negatable=False)
 
