@@ -10,7 +10,6 @@ consistency) by :meth:`MFG.of`, which shares its tensors (no copy). Block l's so
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -32,8 +31,8 @@ class Block:
         self.srcdata: dict[str, Tensor] = {}
         self.dstdata: dict[str, Tensor] = {}
         self._dst_index: Tensor | None = None
-        self._mean_adj: Tensor | None = None
-        self._mean_adj_t: Tensor | None = None
+        self._mean_w: Tensor | None = None
+        self._mean_t: tuple[Tensor, Tensor, Tensor] | None = None
 
     def num_src_nodes(self) -> int:
         return self._num_src
@@ -59,31 +58,34 @@ class Block:
                 output_size=self.num_edges())
         return self._dst_index
 
-    def mean_adj(self) -> Tensor:
-        """A as sparse CSR [num_dst, num_src], A[i, j] = 1/in_degree(i) per sampled edge j -> i.
-
-        ``A @ h_src`` is the mean over each destination's sampled in-neighbours (0 where it
-        has none). Built once per block and device.
-        """
-        if self._mean_adj is None or self._mean_adj.device != self.indices.device:
+    def mean_bags(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+        """The mean over each destination's sampled in-neighbours as weighted bags:
+        ``(indices, offsets, weights)`` for ``F.embedding_bag(indices, h_src, offsets,
+        mode="sum", per_sample_weights=weights, include_last_offset=True)``: bag i is
+        destination i's in-edges (the CSC as is), each weighted 1 / in_degree(i), so an
+        empty bag gives 0. Built once per block, device and dtype."""
+        w = self._mean_w
+        if w is None or w.device != self.indices.device or w.dtype != dtype:
             deg = self.in_degrees()
-            vals = torch.repeat_interleave(1.0 / deg.clamp(min=1).to(torch.float32), deg,
-                                           output_size=self.num_edges())
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # "CSR support is in beta"
-                self._mean_adj = torch.sparse_csr_tensor(
-                    self.indptr, self.indices, vals, size=(self._num_dst, self._num_src))
-            self._mean_adj_t = None
-        return self._mean_adj
+            w = torch.repeat_interleave(1.0 / deg.clamp(min=1).to(dtype), deg,
+                                        output_size=self.num_edges())
+            self._mean_w = w
+        return self.indices, self.indptr, w
 
-    def mean_adj_t(self) -> Tensor:
-        """A^T as sparse CSR (for backward passes that need gradients w.r.t. sources)."""
-        a = self.mean_adj()
-        if self._mean_adj_t is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                self._mean_adj_t = a.t().to_sparse_csr()
-        return self._mean_adj_t
+    def mean_bags_t(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+        """The transpose of :meth:`mean_bags` (bag j: source j's out-edges, indexing
+        destinations, same weights): the backward of the mean w.r.t. the sources."""
+        t = self._mean_t
+        if t is None or t[0].device != self.indices.device or t[2].dtype != dtype:
+            _, _, w = self.mean_bags(dtype)
+            order = torch.argsort(self.indices, stable=True)
+            counts = torch.bincount(self.indices, minlength=self._num_src)
+            offsets = torch.zeros(self._num_src + 1, dtype=self.indptr.dtype,
+                                  device=self.indptr.device)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            t = (self.dst_index()[order], offsets, w[order])
+            self._mean_t = t
+        return t
 
     def edges(self) -> tuple[Tensor, Tensor]:
         """(source positions, destination positions) of every edge."""

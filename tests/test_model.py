@@ -44,12 +44,66 @@ def test_sageconv_equals_dgl(in_feats, out_feats):
     assert isinstance(dgl.NID, str) and dgl.NID == NID
 
 
-def test_sageconv_gradients_flow():
-    block = random_block(30, 10, 4, seed=3)
-    layer = SAGEConv(5, 3)
-    x = torch.randn(30, 5, requires_grad=True)
-    layer(block, x).sum().backward()
-    assert x.grad is not None and layer.fc_neigh.weight.grad is not None
+@pytest.mark.parametrize("in_feats,out_feats", [(16, 8), (8, 16), (12, 12)])
+def test_sageconv_gradients_equal_dgl(in_feats, out_feats):
+    """The gradients w.r.t. the input (one fused gradient for the self term and the
+    neighbour mean, see model._MeanAggregate) and every parameter equal dgl.nn.SAGEConv's,
+    with destinations without in-edges and sources without out-edges."""
+    import_dgl()
+    from dgl.nn import SAGEConv as DGLSAGEConv
+
+    block = random_block(50, 20, 6, seed=in_feats + 2 * out_feats)
+    assert (block.in_degrees() == 0).any()
+    assert (torch.bincount(block.indices, minlength=50) == 0).any()
+    ours = SAGEConv(in_feats, out_feats)
+    ref = DGLSAGEConv(in_feats, out_feats, "mean")
+    with torch.no_grad():
+        ours.fc_self.bias.copy_(torch.randn(out_feats))
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(50, in_feats, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    got = ours(block, x)
+    want = ref(block.to_dgl(), (x_ref, x_ref[: block.num_dst_nodes()]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(got)
+    got.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-5,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_graphsage_model_equals_the_dgl_seed_model(dropout):
+    """The whole 3-layer model (in-place ReLU, fused self term) against the benchmark's DGL
+    seed model with the same weights: same logits and parameter gradients (dropout off by
+    eval mode for the forward check; with dropout the training step must still run)."""
+    from benchmarks.dgl_pipeline import DGLGraphSAGE
+
+    import_dgl()
+    sizes = [80, 30, 12, 5]
+    blocks = [random_block(s, d, 6, seed=40 + i)
+              for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    ours = GraphSAGE(10, 16, 4, 3, dropout)
+    ref = DGLGraphSAGE(10, 16, 4, 3, dropout)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(80, 10)
+    ours.eval()
+    ref.eval()
+    got = ours(blocks, x)
+    want = ref([b.to_dgl() for b in blocks], x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-5,
+                                   msg=name)
+    ours.train()
+    ours(blocks, x).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
 def test_mfg_of_sampled_prefix_ids_and_to_dgl():
