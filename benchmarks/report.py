@@ -1,6 +1,7 @@
 """What both benchmark commands (``benchmarks.run``, ``benchmarks.scale``) share in their
 output: progress lines, the machine description, mfgserve / DGL ratios, the command line and
-the summary itself (a table on stderr, then one JSON line on stdout)."""
+the summary itself (a table on stderr, then one JSON line on stdout). torch and numpy are
+imported only by :func:`machine_info`, so a command's bad options fail fast."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import psutil
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +30,9 @@ def logger(tag: str) -> Callable[[str], None]:
 
 
 def machine_info() -> dict:
+    import numpy as np
+    import torch
+
     from common.dgl_compat import import_dgl
 
     cpu_model = ""

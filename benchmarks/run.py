@@ -1,35 +1,43 @@
 """``python -m benchmarks.run``: mfgserve against the seed tutorial's DGL pipeline, one run.
 
-Same machine, graph, model (GraphSAGE, mean aggregation), fanouts and batch size for both.
-Measurements, in this order (each can be skipped with ``--skip``):
+Same machine, graph, model, initialisation, optimizer, fanouts and batch size for both sides.
+The model is GraphSAGE (``SAGEConv`` mean aggregation, ReLU between layers, nothing after the
+last), Adam lr 3e-3 weight decay 5e-4; each ``--dropout`` value runs on BOTH sides, and
+dropout 0 is the seed tutorial's model: the **headline** row and ratio. Each ``--family`` of
+graphs (``products``: the products-shaped synthetic generator; ``rmat``: an RMAT graph with
+skewed degrees, written in OGB's binary layout and read by partition-ogbn) is measured in the
+same run, with its own ratios; ``--parts DIR`` benchmarks one given partition set instead
+(family ``given``).
+
+Measurements per family, in this order (each can be skipped with ``--skip``):
 
 * ``dgl-train``: DGL DataLoader + NeighborSampler + dgl.nn GraphSAGE, for each
-  ``--dgl-workers`` value (DataLoader ``num_workers``);
+  ``--dgl-workers`` value (DataLoader ``num_workers``) and each dropout;
 * ``dgl-sample``: the same DataLoader iterated without a model (sample + feature gather);
 * ``server``: one mfgserve sampler server alone, sample + gather, requests kept in flight by
   this process (see :mod:`benchmarks.server_only`);
-* ``worker``: ``deploy.worker_mode`` end to end (servers + trainers, a subprocess).
+* ``worker``: ``deploy.worker_mode`` end to end (servers + trainers, a subprocess), each dropout;
+* ``ddp``: two trainers on one node at the headline dropout: DGL with ``--ddp-procs``
+  DistributedDataParallel processes over gloo (each half the seeds and half the batch) vs
+  worker mode with as many trainers (each half the batch): the same total batch;
+* ``step`` (each dropout), ``datapath``, ``limits``: ``benchmarks.<name>.run_step(parts,
+  args)``, their figures as they return them;
+
+and once per run ``wire`` (the codec against raw zmq frames, no graph).
 
 Output: progress and a human-readable table on stderr; the LAST stdout line is one JSON object
-``{"machine", "graph", "config", "results", "ratios", "errors"}``. Ratios are mfgserve / DGL,
-so > 1 means mfgserve is faster:
-
-* ``train_seeds_per_s``: worker-mode ``seeds_per_s`` / best DGL training ``seeds_per_s``;
-* ``sample_batches_per_s``: server-alone ``batches_per_s`` / best DGL sample+gather
-  ``batches_per_s``.
-
-Without ``--parts``, a synthetic graph (:func:`partition.synthetic.generate`) is generated and
-written as a 1-part partition set, cached under ``--cache-dir``. Its train / valid / test
-splits are random ``--train-frac`` / ``--eval-frac`` / ``--eval-frac`` subsets of the nodes
-(like ogbn-products' small training split), so that one epoch plus evaluation stays short
-while each batch's 3-hop neighbourhood is a realistic fraction of the graph.
-Exit code: 0 when every measurement ran, 1 when some failed (their errors are in the JSON).
+``{"machine", "config", "families", "graphs", "results", "ratios", "headline", "comparison",
+"wire", "errors", "wall_s", "command"}``; ``results`` and ``ratios`` are keyed by family.
+Ratios are mfgserve / DGL, so > 1 means mfgserve is faster (the ``step`` module's ``ratio``
+is a time ratio: < 1 is faster). Exit code: 0 when every measurement ran, 1 when some failed
+(their errors are in the JSON), 2 on bad options.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import signal
@@ -40,11 +48,14 @@ import traceback
 import warnings
 from pathlib import Path
 
-from benchmarks.graphs import set_dir, synthetic_data, write_one_part
 from benchmarks.report import REPO, command_line, emit_summary, logger, machine_info, ratio
-from partition.layout import PartitionFormatError, PartitionSetMeta
+from partition.layout import PartitionSetMeta
 
-STEPS = ("dgl-train", "dgl-sample", "server", "worker", "wire")
+STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
+         "wire")
+FAMILIES = ("products", "rmat")
+MODULE_STEPS = ("step", "datapath", "limits")  # benchmarks.<name>.run_step(parts, args)
+LR, WEIGHT_DECAY = 3e-3, 5e-4  # Adam, both sides (mfgserve trainer's defaults)
 log = logger("bench")
 
 
@@ -63,39 +74,106 @@ def _skip_list(text: str) -> list[str]:
     return names
 
 
+def _dropout_list(text: str) -> list[float]:
+    vals: list[float] = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            v = float("nan")
+        if not 0.0 <= v < 1.0:
+            raise argparse.ArgumentTypeError(
+                f"{x!r} is not a dropout probability: give comma-separated numbers in [0, 1), "
+                "e.g. 0,0.5 (0 is the seed tutorial's model)")
+        if v not in vals:
+            vals.append(v)
+    if not vals:
+        raise argparse.ArgumentTypeError("give at least one dropout value, e.g. 0,0.5")
+    return vals
+
+
+def _family_list(text: str) -> list[str]:
+    names: list[str] = []
+    for x in (x.strip() for x in text.split(",")):
+        if x and x not in names:
+            names.append(x)
+    bad = [n for n in names if n not in FAMILIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown graph family {', '.join(map(repr, bad)) or repr(text)}; choose from "
+            f"{', '.join(FAMILIES)} (comma-separated), or benchmark a partition set of your "
+            "own with --parts DIR")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.run",
         description="Benchmark mfgserve against DGL's DataLoader + NeighborSampler pipeline "
-                    "on the same graph, model, fanouts and batch size. The last stdout line is "
-                    "a JSON summary; progress and a table go to stderr.")
+                    "on the same graphs, model, initialisation, optimizer, fanouts and batch "
+                    "size. The last stdout line is a JSON summary; progress and a table go "
+                    "to stderr. Exit code 0: every measurement ran; 1: some failed (errors "
+                    "in the JSON); 2: bad options.")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--parts", help="partition set directory (made by partition-ogbn); "
-                     "default: a cached synthetic graph (see --synthetic-nodes)")
+    src.add_argument("--parts", help="benchmark this partition set (made by partition-ogbn), "
+                     "reported as family 'given'; default: the graphs of --family")
     src.add_argument("--synthetic-nodes", type=int, default=1_000_000,
-                     help="nodes of the synthetic graph (default 1000000)")
+                     help="nodes of each generated graph (default 1000000)")
+    p.add_argument("--family", type=_family_list, default=None,
+                   help="comma-separated graph families, each generated (cached under "
+                        "--cache-dir) and measured in this run with its own ratios: products "
+                        "(the products-shaped synthetic generator), rmat (RMAT graph, skewed "
+                        "degrees, OGB binary layout read by partition-ogbn). Default "
+                        "products,rmat; not with --parts")
+    p.add_argument("--dropout", type=_dropout_list, default=[0.0, 0.5],
+                   help="comma-separated dropout values, each run on both sides with the same "
+                        "model; 0 is the seed tutorial's model (SAGEConv mean, ReLU, no "
+                        "dropout): the headline row (default 0,0.5)")
     p.add_argument("--avg-degree", type=float, default=20.0,
-                   help="synthetic: directed edges per node (default 20)")
-    p.add_argument("--feat-dim", type=int, default=100, help="synthetic: feature size (100)")
-    p.add_argument("--num-classes", type=int, default=47, help="synthetic: classes (47)")
+                   help="generated graphs: directed edges per node (default 20)")
+    p.add_argument("--feat-dim", type=int, default=100,
+                   help="generated graphs: feature size (100)")
+    p.add_argument("--num-classes", type=int, default=47, help="generated graphs: classes (47)")
     p.add_argument("--train-frac", type=float, default=0.025,
-                   help="synthetic: fraction of nodes that are training seeds (0.025)")
+                   help="generated graphs: fraction of nodes that are training seeds (0.025)")
     p.add_argument("--eval-frac", type=float, default=0.005,
-                   help="synthetic: fraction of nodes in each of valid and test (0.005)")
+                   help="generated graphs: fraction of nodes in each of valid and test (0.005)")
     p.add_argument("--cache-dir", default="data/bench",
-                   help="where synthetic partition sets are cached (default data/bench)")
+                   help="where generated partition sets are cached (default data/bench)")
     p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
     p.add_argument("--hidden", type=int, default=256, help="GraphSAGE hidden size (256)")
     p.add_argument("--epochs", type=int, default=1, help="training epochs (default 1)")
     p.add_argument("--max-batches", type=int, default=None,
-                   help="cap on DGL training batches per epoch and per evaluation pass, and "
-                        "the batch count of the sample-only measurements (default: full "
-                        "epochs; 30 sample-only batches). worker-mode always runs full epochs")
+                   help="cap on DGL training batches per epoch (per process under DDP) and "
+                        "per evaluation pass, and the batch count of the sample-only "
+                        "measurements (default: full epochs; 30 sample-only batches). "
+                        "worker-mode always runs full epochs")
     p.add_argument("--dgl-workers", type=_int_list, default=[0, 1],
                    help="DGL DataLoader num_workers values to measure (default 0,1)")
-    p.add_argument("--num-trainers", type=int, default=1, help="worker-mode trainers (1)")
+    p.add_argument("--num-trainers", type=int, default=1,
+                   help="worker-mode trainers of the worker step (1); each takes --batch-size")
+    p.add_argument("--ddp-procs", type=_positive_int, default=2,
+                   help="ddp step: DGL DDP processes and worker-mode trainers, each with "
+                        "--batch-size / this many seeds per batch (default 2)")
+    p.add_argument("--num-threads", type=_positive_int, default=None,
+                   help="torch (and DGL) threads of each training process on both sides: the "
+                        "DGL process / each DDP process, each worker-mode trainer, and the "
+                        "step/datapath/limits modules (default: each side's default: torch's "
+                        "for DGL, cores / trainers for worker-mode and DDP)")
     p.add_argument("--server-workers", type=int, default=2,
                    help="sampling threads per mfgserve server (default 2)")
     p.add_argument("--sampler-procs", type=_int_list, default=[0, 2],
@@ -116,49 +194,74 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated steps to skip: {', '.join(STEPS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument("--worker-timeout-s", type=float, default=1800.0,
-                   help="stop worker-mode after this many seconds (1800)")
+                   help="stop a worker-mode run or the DGL DDP processes after this many "
+                        "seconds (1800)")
+    p.add_argument("--worker-work-dir", default=None,
+                   help="worker-mode's --work-dir: where its run directories go (default: "
+                        "worker-mode's own, data/worker-mode)")
     p.add_argument("--out", help="also write the JSON summary to this file")
     return p
+
+
+def dlabel(p: float) -> str:
+    """The suffix of a per-dropout result name: ``d0``, ``d0.5``."""
+    return f"d{p:g}"
+
+
+def headline_dropout(dropouts: list[float]) -> float:
+    """0 (the seed tutorial's model) when measured, else the first value."""
+    return 0.0 if 0.0 in dropouts else dropouts[0]
+
+
+def row_label(p: float) -> str:
+    return "seed model (no dropout)" if p == 0 else f"dropout {p:g}"
 
 
 # ------------------------------------------------------------------------------ inputs
 
 
+def family_parts(family: str, args: argparse.Namespace) -> Path:
+    """The cached 1-part partition set of ``family`` (benchmarks.graphs.family_parts)."""
+    from benchmarks import graphs
+
+    fn = getattr(graphs, "family_parts", None)
+    if fn is None:
+        raise RuntimeError("benchmarks.graphs has no family_parts(family, args): cannot make "
+                           f"the {family!r} graph; benchmark a partition set with --parts DIR")
+    return Path(fn(family, args))
+
+
 def synthetic_parts(args: argparse.Namespace) -> Path:
-    """A cached 1-part partition set of the synthetic graph described by ``args``."""
-    out = set_dir(args, args.synthetic_nodes)
-    try:
-        if PartitionSetMeta.load(out).num_parts == 1:
-            log(f"using cached synthetic graph {out}")
-            return out
-    except PartitionFormatError:
-        pass
-    n = args.synthetic_nodes
-    log(f"generating a synthetic graph: {n} nodes, avg degree {args.avg_degree:g}, "
-        f"{args.feat_dim}-dim features, {args.num_classes} classes")
-    t0 = time.perf_counter()
-    write_one_part(synthetic_data(n, args), out, args.seed)
-    log(f"wrote {out} in {time.perf_counter() - t0:.1f}s")
-    return out
+    """The products-family graph described by ``args`` (kept for older callers)."""
+    return family_parts("products", args)
 
 
 # ------------------------------------------------------------------------------ steps
 
 
-def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
-    """``deploy.worker_mode`` in a subprocess; its last stdout line is the JSON summary."""
+def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
+                    num_trainers: int | None = None, batch_size: int | None = None) -> dict:
+    """``deploy.worker_mode`` in a subprocess; its last stdout line is the JSON summary.
+    ``batch_size`` is per trainer (default ``--batch-size``)."""
+    num_trainers = num_trainers or args.num_trainers
+    batch_size = batch_size or args.batch_size
     argv = [sys.executable, "-m", "deploy.worker_mode", "--parts", str(parts),
-            "--num-trainers", str(args.num_trainers), "--epochs", str(args.epochs),
-            "--fanouts", ",".join(map(str, args.fanouts)), "--batch-size", str(args.batch_size),
-            "--hidden", str(args.hidden), "--seed", str(args.seed),
+            "--num-trainers", str(num_trainers), "--epochs", str(args.epochs),
+            "--fanouts", ",".join(map(str, args.fanouts)), "--batch-size", str(batch_size),
+            "--hidden", str(args.hidden), "--seed", str(args.seed), "--model", "sage",
+            "--dropout", str(dropout), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY),
             "--max-inflight", str(args.inflight), "--server-num-workers",
             str(args.server_workers), "--server-sampler-procs",
             str(args.worker_sampler_procs), "--no-progress",
             "--shm-ring" if args.shm_ring else "--no-shm-ring"]
+    if args.num_threads:
+        argv += ["--num-threads", str(args.num_threads)]
     if args.cache_ratio:
         argv += ["--cache-ratio", str(args.cache_ratio)]
     if args.feat_transfer:
         argv += ["--feat-transfer", args.feat_transfer]
+    if args.worker_work_dir:
+        argv += ["--work-dir", args.worker_work_dir]
     log("worker-mode: " + " ".join(argv[1:]))
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
@@ -192,109 +295,227 @@ def run_worker_mode(parts: Path, args: argparse.Namespace) -> dict:
     if summary.get("train_s"):
         res["batches_per_s"] = round(batches / summary["train_s"], 3)
         res["mb_per_s"] = round(summary.get("bytes_received", 0) / summary["train_s"] / 1e6, 2)
-    res["exit_code"] = proc.returncode
-    res["subprocess_wall_s"] = round(wall, 3)
+    res.update(dropout=dropout, batch_size_per_trainer=batch_size,
+               total_batch_size=batch_size * num_trainers,
+               num_threads_arg=args.num_threads, exit_code=proc.returncode,
+               subprocess_wall_s=round(wall, 3))
     return res
 
 
 class Steps:
-    """The measurements of one run: each one's result, or its error (one failed measurement
-    must not lose the others)."""
+    """The measurements of one run, per family: each one's result, or its error (one failed
+    measurement must not lose the others)."""
 
     def __init__(self) -> None:
-        self.results: dict[str, dict] = {}
+        self.results: dict[str, dict[str, dict]] = {}
         self.errors: dict[str, str] = {}
+        self.module_results: dict[str, list[str]] = {}  # family -> names step modules returned
 
-    def run(self, name: str, fn) -> None:
-        log(f"{name}: start")
+    def _attempt(self, where: str, fn):
+        log(f"{where}: start")
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
         try:
-            self.results[name] = fn()
-            # Other processes on the machine distort every figure: keep the evidence.
-            self.results[name]["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-            log(f"{name}: done in {time.perf_counter() - t0:.1f}s: "
-                f"{json.dumps(self.results[name])}")
+            out = fn()
         except Exception as e:  # one failed measurement must not lose the others
-            self.errors[name] = f"{type(e).__name__}: {e}"
-            log(f"{name}: FAILED after {time.perf_counter() - t0:.1f}s\n{traceback.format_exc()}")
+            self.errors[where] = f"{type(e).__name__}: {e}"
+            log(f"{where}: FAILED after {time.perf_counter() - t0:.1f}s\n"
+                f"{traceback.format_exc()}")
+            return None
+        # Other processes on the machine distort every figure: keep the evidence.
+        load = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        log(f"{where}: done in {time.perf_counter() - t0:.1f}s: {json.dumps(out)}")
+        return out, load
+
+    def run(self, family: str, name: str, fn) -> None:
+        got = self._attempt(f"{family}/{name}", fn)
+        if got is not None:
+            res, load = got
+            res["loadavg_1m"] = load
+            self.results.setdefault(family, {})[name] = res
+
+    def run_many(self, family: str, name: str, fn) -> None:
+        """``fn`` returns {result_name: figures}, each stored under the family."""
+        def checked():
+            out = fn()
+            if not isinstance(out, dict) or not all(isinstance(v, dict) for v in out.values()):
+                raise TypeError(f"{name}: run_step returned {type(out).__name__}, expected "
+                                "{result_name: figures_dict}")
+            return out
+
+        got = self._attempt(f"{family}/{name}", checked)
+        if got is not None:
+            out, load = got
+            for k, v in out.items():
+                v.setdefault("loadavg_1m", load)
+                self.results.setdefault(family, {})[k] = v
+                self.module_results.setdefault(family, []).append(k)
 
 
-def measure_dgl(steps: Steps, parts: Path, args: argparse.Namespace, sample_batches: int) -> None:
-    """The DGL steps: training, then sample + gather, for each ``--dgl-workers`` value. The
-    full graph is freed when this returns."""
+def measure_dgl(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
+                sample_batches: int) -> None:
+    """The DGL steps: training for each dropout and ``--dgl-workers`` value, then sample +
+    gather. The full graph is freed when this returns."""
     from benchmarks import dgl_pipeline
 
     log(f"loading the full graph for DGL from {parts}")
     fg = dgl_pipeline.load_full_graph(parts)
     log(f"loaded in {fg.load_s:.1f}s")
     if "dgl-train" not in args.skip:
-        for w in args.dgl_workers:
-            steps.run(f"dgl_train_w{w}", lambda w=w: dgl_pipeline.train_dgl(
-                fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
-                num_workers=w, max_batches=args.max_batches, seed=args.seed))
+        for p in args.dropout:
+            for w in args.dgl_workers:
+                steps.run(family, f"dgl_train_w{w}_{dlabel(p)}",
+                          lambda w=w, p=p: dgl_pipeline.train_dgl(
+                              fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
+                              num_workers=w, max_batches=args.max_batches, seed=args.seed,
+                              dropout=p, lr=LR, weight_decay=WEIGHT_DECAY,
+                              num_threads=args.num_threads))
     if "dgl-sample" not in args.skip:
         for w in args.dgl_workers:
-            steps.run(f"dgl_sample_w{w}", lambda w=w: dgl_pipeline.sample_only_dgl(
+            steps.run(family, f"dgl_sample_w{w}", lambda w=w: dgl_pipeline.sample_only_dgl(
                 fg, args.fanouts, args.batch_size, sample_batches, num_workers=w,
-                seed=args.seed))
+                seed=args.seed, num_threads=args.num_threads))
 
 
-def measure_mfgserve(steps: Steps, parts: Path, args: argparse.Namespace,
+def measure_mfgserve(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
                      sample_batches: int) -> None:
-    """The mfgserve steps not skipped: server alone (per ``--sampler-procs``), worker mode,
-    wire."""
+    """The mfgserve steps not skipped: server alone (per ``--sampler-procs``), worker mode
+    (per dropout)."""
     if "server" not in args.skip:
         from benchmarks.server_only import measure_server
 
         for n in args.sampler_procs:
-            steps.run("server_only" + (f"_procs{n}" if n else ""), lambda n=n: measure_server(
-                parts, args.fanouts, args.batch_size, sample_batches, inflight=args.inflight,
-                server_workers=args.server_workers, seed=args.seed, shm_ring=args.shm_ring,
-                sampler_procs=n))
+            steps.run(family, "server_only" + (f"_procs{n}" if n else ""),
+                      lambda n=n: measure_server(
+                          parts, args.fanouts, args.batch_size, sample_batches,
+                          inflight=args.inflight, server_workers=args.server_workers,
+                          seed=args.seed, shm_ring=args.shm_ring, sampler_procs=n))
     if "worker" not in args.skip:
-        steps.run("worker_mode", lambda: run_worker_mode(parts, args))
-    if "wire" not in args.skip:
-        from benchmarks.wire import measure_wire
+        for p in args.dropout:
+            steps.run(family, f"worker_mode_{dlabel(p)}",
+                      lambda p=p: run_worker_mode(parts, args, p))
 
-        steps.run("wire", lambda: measure_wire())
+
+def measure_ddp(steps: Steps, family: str, parts: Path, args: argparse.Namespace) -> None:
+    """Two (``--ddp-procs``) trainers on one node at the headline dropout, the same total
+    batch: DGL DDP over gloo, then worker mode."""
+    from benchmarks import dgl_pipeline
+
+    n = args.ddp_procs
+    p = headline_dropout(args.dropout)
+    steps.run(family, f"dgl_ddp{n}_{dlabel(p)}", lambda: dgl_pipeline.train_dgl_ddp(
+        parts, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden, nprocs=n,
+        max_batches=args.max_batches, seed=args.seed, dropout=p, lr=LR,
+        weight_decay=WEIGHT_DECAY, num_threads=args.num_threads,
+        timeout_s=args.worker_timeout_s))
+    steps.run(family, f"worker_mode_t{n}_{dlabel(p)}", lambda: run_worker_mode(
+        parts, args, p, num_trainers=n, batch_size=args.batch_size // n))
+
+
+def step_args(args: argparse.Namespace, dropout: float, family: str) -> argparse.Namespace:
+    """The Namespace a step module gets: this run's options with ``dropout`` one float."""
+    return argparse.Namespace(**{**vars(args), "dropout": dropout, "dropouts": args.dropout,
+                                 "family": family})
+
+
+def measure_modules(steps: Steps, family: str, parts: Path, args: argparse.Namespace) -> None:
+    """``benchmarks.{step,datapath,limits}.run_step(parts, args)``, imported here so that a
+    missing or failing module is that step's error: ``step`` for each dropout, the model-free
+    ones at the headline dropout."""
+    import torch
+
+    for name in MODULE_STEPS:
+        if name in args.skip:
+            continue
+        dropouts = args.dropout if name == "step" else [headline_dropout(args.dropout)]
+        for p in dropouts:
+            def call(name=name, p=p):
+                threads = torch.get_num_threads()
+                try:
+                    mod = importlib.import_module(f"benchmarks.{name}")
+                    return mod.run_step(parts, step_args(args, p, family))
+                finally:
+                    torch.set_num_threads(threads)
+
+            steps.run_many(family, f"{name}_{dlabel(p)}" if name == "step" else name, call)
 
 
 # ------------------------------------------------------------------------------ summary
 
 
-def _best(results: dict, prefix: str, key: str) -> tuple[str | None, float | None]:
-    cands = [(k, v[key]) for k, v in results.items()
-             if k.startswith(prefix) and isinstance(v, dict) and v.get(key)]
+def _best(results: dict, names: list[str], key: str) -> tuple[str | None, float | None]:
+    cands = [(k, results[k][key]) for k in names
+             if isinstance(results.get(k), dict) and results[k].get(key)]
     return max(cands, key=lambda kv: kv[1]) if cands else (None, None)
 
 
-def compute_ratios(results: dict) -> dict:
+def _seeds(results: dict, name: str | None) -> float | None:
+    return results.get(name, {}).get("seeds_per_s") if name else None
+
+
+def compute_ratios(results: dict, args: argparse.Namespace,
+                   module_results: list[str] = ()) -> dict:
+    """One family's ratios (mfgserve / DGL)."""
     ratios: dict = {}
-    dgl_train_key, dgl_train = _best(results, "dgl_train", "seeds_per_s")
-    wm = results.get("worker_mode", {}).get("seeds_per_s")
-    ratios["train_seeds_per_s"] = ratio(wm, dgl_train)
-    ratios["train_baseline"] = dgl_train_key
-    for k, v in results.items():
-        if k.startswith("dgl_train") and v.get("seeds_per_s"):
-            ratios[f"train_seeds_per_s_vs_{k}"] = ratio(wm, v["seeds_per_s"])
-    dgl_sample_key, dgl_sample = _best(results, "dgl_sample", "batches_per_s")
-    srv_key, srv = _best(results, "server_only", "batches_per_s")
+    for p in args.dropout:
+        d = dlabel(p)
+        dgl_names = [f"dgl_train_w{w}_{d}" for w in args.dgl_workers]
+        base_key, base = _best(results, dgl_names, "seeds_per_s")
+        wm = _seeds(results, f"worker_mode_{d}")
+        ratios[f"train_seeds_per_s_{d}"] = ratio(wm, base)
+        ratios[f"train_baseline_{d}"] = base_key
+        for k in dgl_names:
+            if _seeds(results, k):
+                ratios[f"train_seeds_per_s_{d}_vs_{k}"] = ratio(wm, _seeds(results, k))
+        dgl_acc = results.get(base_key, {}).get("test_acc") if base_key else None
+        wm_acc = results.get(f"worker_mode_{d}", {}).get("test_acc")
+        if dgl_acc is not None and wm_acc is not None:
+            ratios[f"test_acc_diff_{d}"] = round(wm_acc - dgl_acc, 4)  # mfgserve minus DGL
+    n, d = args.ddp_procs, dlabel(headline_dropout(args.dropout))
+    ratios[f"ddp_seeds_per_s_{d}"] = ratio(_seeds(results, f"worker_mode_t{n}_{d}"),
+                                           _seeds(results, f"dgl_ddp{n}_{d}"))
+    sample_names = [f"dgl_sample_w{w}" for w in args.dgl_workers]
+    dgl_sample_key, dgl_sample = _best(results, sample_names, "batches_per_s")
+    srv_names = [k for k in results if k.startswith("server_only")]
+    srv_key, srv = _best(results, srv_names, "batches_per_s")
     ratios["sample_batches_per_s"] = ratio(srv, dgl_sample)
     ratios["sample_baseline"] = dgl_sample_key
     ratios["sample_mfgserve_config"] = srv_key
-    for k, v in results.items():
-        if k.startswith("dgl_sample") and v.get("batches_per_s"):
-            ratios[f"sample_batches_per_s_vs_{k}"] = ratio(srv, v["batches_per_s"])
-    dgl_acc = results.get(dgl_train_key, {}).get("test_acc") if dgl_train_key else None
-    wm_acc = results.get("worker_mode", {}).get("test_acc")
-    if dgl_acc is not None and wm_acc is not None:
-        ratios["test_acc_diff"] = round(wm_acc - dgl_acc, 4)  # mfgserve minus DGL
-    wire = results.get("wire", {})
-    for transport in ("tcp", "ipc"):
-        if f"{transport}_ratio" in wire:  # mfgserve codec vs raw zmq frames
-            ratios[f"wire_{transport}_vs_raw_frames"] = wire[f"{transport}_ratio"]
+    for k in sample_names:
+        if results.get(k, {}).get("batches_per_s"):
+            ratios[f"sample_batches_per_s_vs_{k}"] = ratio(srv, results[k]["batches_per_s"])
+    for name in module_results:  # surfaced as the modules computed them
+        all_ratios = "ratio" in name  # e.g. datapath's "datapath-ratios" result
+        for k, v in results.get(name, {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "loadavg_1m" \
+                    and (all_ratios or any(t in k for t in ("ratio", "_vs_", "_of_"))):
+                ratios[f"{name}_{k}"] = v
     return ratios
+
+
+def comparison_rows(results: dict, ratios: dict, args: argparse.Namespace) -> list[dict]:
+    """The end-to-end rows per family: the headline dropout first, then the others, then
+    the DDP row."""
+    h = headline_dropout(args.dropout)
+    rows = []
+    for family, res in results.items():
+        r = ratios.get(family, {})
+        for p in [h] + [x for x in args.dropout if x != h]:
+            d = dlabel(p)
+            base = r.get(f"train_baseline_{d}")
+            rows.append({"family": family, "label": row_label(p), "dropout": p, "trainers": 1,
+                         "dgl": base, "dgl_seeds_per_s": _seeds(res, base),
+                         "mfgserve": f"worker_mode_{d}",
+                         "mfgserve_seeds_per_s": _seeds(res, f"worker_mode_{d}"),
+                         "ratio": r.get(f"train_seeds_per_s_{d}")})
+        n, d = args.ddp_procs, dlabel(h)
+        rows.append({"family": family, "label": f"{row_label(h)}, {n} trainers", "dropout": h,
+                     "trainers": n, "dgl": f"dgl_ddp{n}_{d}",
+                     "dgl_seeds_per_s": _seeds(res, f"dgl_ddp{n}_{d}"),
+                     "mfgserve": f"worker_mode_t{n}_{d}",
+                     "mfgserve_seeds_per_s": _seeds(res, f"worker_mode_t{n}_{d}"),
+                     "ratio": r.get(f"ddp_seeds_per_s_{d}")})
+    return rows
 
 
 def _fmt(v) -> str:
@@ -305,34 +526,49 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def print_table(summary: dict) -> None:
-    rows = [("measurement", "batches/s", "seeds/s", "MB/s", "train_s", "test_acc")]
-    for k, v in summary["results"].items():
-        rows.append((k, _fmt(v.get("batches_per_s")), _fmt(v.get("seeds_per_s")),
-                     _fmt(v.get("mb_per_s", v.get("feat_mb_per_s"))),
-                     _fmt(v.get("train_s")), _fmt(v.get("test_acc"))))
-    for k, e in summary["errors"].items():
-        rows.append((k, "FAILED", e.splitlines()[0][:60] if e else "", "", "", ""))
+def _columns(rows: list[tuple]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(r, widths, strict=True))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    g = summary["graph"]
-    m = summary["machine"]
-    print(f"\n{g.get('dataset')}: {g.get('num_nodes'):,} nodes, {g.get('num_edges'):,} edges, "
-          f"{g.get('num_train'):,} train seeds; fanouts {summary['config']['fanouts']}, "
-          f"batch {summary['config']['batch_size']}, hidden {summary['config']['hidden']}",
-          file=sys.stderr)
-    print(f"machine: {m['cores']} cores, {m['ram_gb']} GB, torch {m['torch']}, dgl {m['dgl']}, "
-          f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}",
-          file=sys.stderr)
-    print("\n".join(lines), file=sys.stderr)
-    r = summary["ratios"]
-    print(f"ratios (mfgserve / DGL, >1 = mfgserve faster): training seeds/s "
-          f"{_fmt(r.get('train_seeds_per_s'))} (vs {r.get('train_baseline')}), "
-          f"sample+gather batches/s {_fmt(r.get('sample_batches_per_s'))} "
-          f"(vs {r.get('sample_baseline')}), test_acc diff {_fmt(r.get('test_acc_diff'))}\n",
-          file=sys.stderr, flush=True)
+    return lines
+
+
+def print_table(summary: dict) -> None:
+    m, c = summary["machine"], summary["config"]
+    out = [f"\nmachine: {m['cores']} cores, {m['ram_gb']} GB, torch {m['torch']}, dgl {m['dgl']}, "
+           f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}; "
+           f"fanouts {c['fanouts']}, batch {c['batch_size']}, hidden {c['hidden']}, "
+           f"threads {c['num_threads'] or 'default'}"]
+    rows = [("end to end, training seeds/s", "DGL best", "mfgserve", "ratio")]
+    for r in summary["comparison"]:
+        rows.append((f"{r['family']}: {r['label']}", _fmt(r["dgl_seeds_per_s"]),
+                     _fmt(r["mfgserve_seeds_per_s"]), _fmt(r["ratio"])))
+    out += _columns(rows)
+    for family in summary["families"]:
+        g = summary["graphs"].get(family)
+        if g:
+            out.append(f"\n{family}: {g.get('dataset')}: {g.get('num_nodes'):,} nodes, "
+                       f"{g.get('num_edges'):,} edges, {g.get('num_train'):,} train seeds")
+        else:
+            out.append(f"\n{family}: no graph")
+        rows = [("measurement", "batches/s", "seeds/s", "MB/s", "train_s", "test_acc")]
+        for k, v in summary["results"].get(family, {}).items():
+            rows.append((k, _fmt(v.get("batches_per_s")), _fmt(v.get("seeds_per_s")),
+                         _fmt(v.get("mb_per_s", v.get("feat_mb_per_s"))),
+                         _fmt(v.get("train_s")), _fmt(v.get("test_acc"))))
+        for k, e in summary["errors"].items():
+            if k.startswith(family + "/"):
+                rows.append((k.split("/", 1)[1], "FAILED", e.splitlines()[0][:60] if e else "",
+                             "", "", ""))
+        out += _columns(rows)
+        r = summary["ratios"].get(family, {})
+        others = {k: v for k, v in r.items() if v is not None and not k.startswith(
+            ("train_seeds_per_s", "train_baseline", "ddp_seeds_per_s"))}
+        out.append("other ratios: " + ", ".join(f"{k} {_fmt(v)}" for k, v in others.items()))
+    if "wire" in summary["errors"]:
+        out.append(f"\nwire: FAILED {summary['errors']['wire'].splitlines()[0][:80]}")
+    print("\n".join(out) + "\n", file=sys.stderr, flush=True)
 
 
 def graph_info(parts: Path, meta: PartitionSetMeta) -> dict:
@@ -344,36 +580,90 @@ def graph_info(parts: Path, meta: PartitionSetMeta) -> dict:
             "num_test": sum(p.num_test for p in meta.parts)}
 
 
-def run_config(args: argparse.Namespace, sample_batches: int) -> dict:
-    return {"fanouts": args.fanouts, "batch_size": args.batch_size, "hidden": args.hidden,
+def run_config(args: argparse.Namespace, families: list[str], sample_batches: int) -> dict:
+    return {"families": families, "dropouts": args.dropout,
+            "headline_dropout": headline_dropout(args.dropout),
+            "fanouts": args.fanouts, "batch_size": args.batch_size, "hidden": args.hidden,
+            "lr": LR, "weight_decay": WEIGHT_DECAY, "optimizer": "Adam",
             "epochs": args.epochs, "max_batches": args.max_batches,
             "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
-            "num_trainers": args.num_trainers, "server_workers": args.server_workers,
+            "num_trainers": args.num_trainers, "ddp_procs": args.ddp_procs,
+            "num_threads": args.num_threads, "server_workers": args.server_workers,
             "inflight": args.inflight, "seed": args.seed, "skip": args.skip,
             "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer,
             "sampler_procs": args.sampler_procs,
-            "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring}
+            "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring,
+            "worker_timeout_s": args.worker_timeout_s,
+            "synthetic_nodes": None if args.parts else args.synthetic_nodes}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.parts and args.family is not None:
+        parser.error("--family picks generated graphs; --parts DIR benchmarks the given set "
+                     "(family 'given'): use one of them")
+    if "ddp" not in args.skip and args.batch_size % args.ddp_procs:
+        parser.error(f"--batch-size {args.batch_size} does not split over --ddp-procs "
+                     f"{args.ddp_procs} (the ddp step keeps the total batch): choose a "
+                     "multiple, or --skip ddp")
+    return args
+
+
+def measure_family(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
+                   sample_batches: int) -> None:
+    if "dgl-train" not in args.skip or "dgl-sample" not in args.skip:
+        measure_dgl(steps, family, parts, args, sample_batches)
+        gc.collect()
+    measure_mfgserve(steps, family, parts, args, sample_batches)
+    if "ddp" not in args.skip:
+        measure_ddp(steps, family, parts, args)
+    measure_modules(steps, family, parts, args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*CPU affinity.*")
     t_start = time.perf_counter()
     machine = machine_info()
-    parts = Path(args.parts) if args.parts else synthetic_parts(args)
-    meta = PartitionSetMeta.load(parts)
-    graph = graph_info(parts, meta)
+    families = ["given"] if args.parts else (args.family or list(FAMILIES))
     sample_batches = args.max_batches or 30
-    config = run_config(args, sample_batches)
     steps = Steps()
-    if "dgl-train" not in args.skip or "dgl-sample" not in args.skip:
-        measure_dgl(steps, parts, args, sample_batches)
-        gc.collect()
-    measure_mfgserve(steps, parts, args, sample_batches)
+    graphs: dict[str, dict] = {}
+    for family in families:
+        log(f"=== family {family}")
+        try:
+            parts = Path(args.parts) if args.parts else family_parts(family, args)
+            graphs[family] = graph_info(parts, PartitionSetMeta.load(parts))
+        except Exception as e:  # this family's graph: its steps cannot run, the others can
+            steps.errors[f"{family}/graph"] = f"{type(e).__name__}: {e}"
+            log(f"{family}: no graph\n{traceback.format_exc()}")
+            continue
+        measure_family(steps, family, parts, args, sample_batches)
+    wire = None
+    if "wire" not in args.skip:
+        from benchmarks.wire import measure_wire
+
+        got = steps._attempt("wire", measure_wire)
+        if got is not None:
+            wire = {**got[0], "loadavg_1m": got[1]}
 
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    summary = {"machine": machine, "graph": graph, "config": config, "results": steps.results,
-               "ratios": compute_ratios(steps.results), "errors": steps.errors,
+    ratios = {f: compute_ratios(steps.results.get(f, {}), args, steps.module_results.get(f, []))
+              for f in families if f in graphs}
+    h = headline_dropout(args.dropout)
+    headline = {"label": row_label(h), "dropout": h,
+                "train_seeds_per_s": {f: r.get(f"train_seeds_per_s_{dlabel(h)}")
+                                      for f, r in ratios.items()},
+                "ddp_seeds_per_s": {f: r.get(f"ddp_seeds_per_s_{dlabel(h)}")
+                                    for f, r in ratios.items()}}
+    summary = {"machine": machine, "config": run_config(args, families, sample_batches),
+               "families": families, "graphs": graphs,
+               "results": {f: steps.results.get(f, {}) for f in graphs},
+               "ratios": ratios, "headline": headline,
+               "comparison": comparison_rows({f: steps.results.get(f, {}) for f in graphs},
+                                             ratios, args),
+               "wire": wire, "errors": steps.errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
                "command": command_line("benchmarks.run", argv)}
     emit_summary(summary, args.out, print_table)

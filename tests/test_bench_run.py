@@ -1,0 +1,119 @@
+"""benchmarks.run (issue 14): per-dropout rows on both sides with the seed model as the
+headline, per-family keys, the 2-trainer DDP comparison, bad options. No timings asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import run as bench_run
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    """One small run: products family, dropout 0 and 0.5 on both sides (DGL num_workers 0),
+    and the ddp step; the heavy or unrelated steps skipped."""
+    tmp = tmp_path_factory.mktemp("bench-run")
+    argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "20000",
+            "--max-batches", "3", "--family", "products", "--dropout", "0,0.5",
+            "--dgl-workers", "0", "--skip", "dgl-sample,server,wire,step,datapath,limits",
+            "--cache-dir", str(tmp / "cache"), "--worker-work-dir", str(tmp / "wm"),
+            "--worker-timeout-s", "200", "--out", str(tmp / "out.json")]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    out = json.loads(last)
+    assert json.loads((tmp / "out.json").read_text()) == out
+    out["_stderr"] = proc.stderr
+    return out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_dropout_rows_on_both_sides_and_seed_model_headline(summary):
+    assert summary["families"] == ["products"]
+    assert summary["errors"] == {}
+    assert set(summary["graphs"]) == {"products"}
+    assert summary["config"]["dropouts"] == [0.0, 0.5]
+    assert summary["config"]["headline_dropout"] == 0.0
+    res = summary["results"]["products"]
+    for d, p in (("d0", 0.0), ("d0.5", 0.5)):
+        dgl, ours = res[f"dgl_train_w0_{d}"], res[f"worker_mode_{d}"]
+        assert dgl["dropout"] == p and ours["dropout"] == p
+        assert dgl["seeds_per_s"] > 0 and ours["seeds_per_s"] > 0
+        assert ours["exit_code"] == 0
+    ratios = summary["ratios"]["products"]
+    for d in ("d0", "d0.5"):
+        assert ratios[f"train_seeds_per_s_{d}"] > 0
+        assert ratios[f"train_baseline_{d}"] == f"dgl_train_w0_{d}"
+    head = summary["headline"]
+    assert head["label"] == "seed model (no dropout)" and head["dropout"] == 0.0
+    assert head["train_seeds_per_s"]["products"] == ratios["train_seeds_per_s_d0"]
+    rows = summary["comparison"]
+    assert [r["label"] for r in rows] == ["seed model (no dropout)", "dropout 0.5",
+                                          "seed model (no dropout), 2 trainers"]
+    assert all(r["family"] == "products" for r in rows)
+    # the headline row leads the table too
+    table = summary["_stderr"]
+    assert table.index("products: seed model (no dropout)") < table.index("products: dropout 0.5")
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_ddp_step_two_processes_each_side_same_total_batch(summary):
+    res = summary["results"]["products"]
+    dgl, ours = res["dgl_ddp2_d0"], res["worker_mode_t2_d0"]
+    assert dgl["num_procs"] == 2 and dgl["backend"] == "gloo"
+    assert dgl["exit_codes"] == [0, 0] and [r["rank"] for r in dgl["ranks"]] == [0, 1]
+    assert all(r["batches"] >= 1 for r in dgl["ranks"])
+    assert dgl["per_process_batch_size"] == 512 and dgl["total_batch_size"] == 1024
+    assert ours["num_trainers"] == 2 and ours["exit_code"] == 0
+    assert ours["batch_size_per_trainer"] == 512 and ours["total_batch_size"] == 1024
+    assert dgl["seeds_per_s"] > 0 and ours["seeds_per_s"] > 0
+    assert summary["ratios"]["products"]["ddp_seeds_per_s_d0"] > 0
+    assert summary["headline"]["ddp_seeds_per_s"]["products"] > 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dropout", "0,abc"], "--dropout"),
+    (["--dropout", "1"], "[0, 1)"),
+    (["--dropout", ","], "--dropout"),
+    (["--family", "products,foo"], "unknown graph family 'foo'"),
+    (["--parts", "/nonexistent", "--family", "rmat"], "--family"),
+    (["--batch-size", "1023"], "--ddp-procs"),
+    (["--num-threads", "0"], "--num-threads"),
+])
+def test_bad_values_exit_2_naming_the_option(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_run.main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_dgl_model_is_the_seed_model_with_mfgserve_init():
+    """Same weights as mfgserve's GraphSAGE from the same seed; ReLU between layers, none
+    after the last; at dropout 0 the dropout is the identity (no copy)."""
+    from benchmarks.dgl_pipeline import DGLGraphSAGE
+    from trainer_client.model import GraphSAGE
+
+    torch.manual_seed(7)
+    ours = GraphSAGE(12, 16, 5, 3, 0.0)
+    after_ours = torch.rand(3)
+    torch.manual_seed(7)
+    theirs = DGLGraphSAGE(12, 16, 5, 3, 0.0)
+    assert torch.equal(torch.rand(3), after_ours)  # the RNG ends where mfgserve's does
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert type(theirs.dropout) is type(ours.dropout)
+    x = torch.randn(10, 16)
+    theirs.train()
+    assert theirs.dropout(x) is x
+    assert all(layer._aggre_type == "mean" and layer.activation is None
+               for layer in theirs.layers)
