@@ -87,8 +87,14 @@ class ServerConfig:
     replica_suspect_s: float = opt(
         30.0, "seconds a peer server that missed --peer-timeout-s (connection kept) is avoided "
         "while another replica of its part is up (common/replicas.py)")
+    nice: int = opt(
+        0, "raise this server's scheduling niceness by N (0-19; its sampler processes inherit "
+        "it): where trainers share the cores (worker mode), their compute then goes first and "
+        "sampling fills the gaps, instead of both slowing each other's threads")
 
     def validate(self) -> None:
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"--nice must be in 0..19, got {self.nice}")
         if self.replica_suspect_s < 0:
             raise ConfigError(f"--replica-suspect-s must be >= 0, got {self.replica_suspect_s}")
         if not self.parts:

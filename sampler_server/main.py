@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -48,6 +49,8 @@ def _serve(argv: list[str] | None) -> int:
     # Concurrency comes from --num-workers threads (and processes); keep each op serial
     # so co-located servers and trainers do not oversubscribe the cores.
     torch.set_num_threads(1)
+    if cfg.nice:
+        os.nice(cfg.nice)
     server = SamplerServer(cfg)
 
     def on_signal(signum, _frame):

@@ -42,7 +42,7 @@ SERVER = ServerConfig(
     sampler_procs=3, max_queue=7, max_message_mb=99, max_peer_backlog_mb=33,
     peer_timeout_s=12.5, seed=-4, heartbeat_s=0.25, heartbeat_timeout_s=2.5, ready_file="/r",
     shutdown_token_file="/t", curve_secret_key="/k", curve_authorized_keys="/a",
-    replica_suspect_s=12.0, max_node_tensor_mb=77)
+    replica_suspect_s=12.0, max_node_tensor_mb=77, nice=5)
 TRAINER = TrainerConfig(
     cluster="/c.yaml", fanouts=[-1, 5, 3], eval_fanouts=[4, 4, 4], batch_size=7,
     eval_batch_size=9, epochs=2, hidden=8, dropout=0.25, lr=0.0125, weight_decay=1e-6,
@@ -103,7 +103,10 @@ CASES = {
     PartitionConfig: ("partition.cli", [
         PartitionConfig(dataset="synthetic", synthetic=SyntheticConfig(
             num_nodes=500, avg_degree=3.5, feat_dim=4, num_classes=3, homophily=0.5,
-            raw_out="/raw"), **PARTITION),
+            raw_out="/raw", train_frac=0.5, valid_frac=0.25), **PARTITION),
+        PartitionConfig(dataset="rmat", synthetic=SyntheticConfig(
+            rmat_a=0.5, rmat_b=0.2, rmat_c=0.2, rmat_noise=0.05),
+            **dict(PARTITION, add_reverse_edges=False)),
         PartitionConfig(dataset_dir="/d", **PARTITION)]),
 }
 # positional arguments a CLI takes outside its config dataclass
