@@ -25,16 +25,18 @@ own seed (:func:`common.messages.derive_seed` of the sample seed, hop, part), so
 that owns a remote part samples it exactly as the requesting server's copy would.
 
 How it is kept fast (the same draws and the same output as the first, plainer version of
-this module, checked by tests/test_seeded_sampler.py against a copy of it): every step is one
-numpy/torch call over a whole hop's arrays, so the GIL is released for nearly all of the time
-and sampler threads run in parallel. Positions are int32 while drawn (degrees < 2^31); rows
-with repeats are found by comparing neighbours in the sorted picks, eight columns per 64-bit
-word; Floyd's per-step "already chosen" test is a compare against the earlier steps and a
-branch-free blend (a masked write was several times slower: its branches mispredict). The
-positions of the output edges are built as a (rows x fanout) matrix (``start + offset``,
-the rows above the fanout overwritten by their picks, the short rows' unused cells masked
-out) when most cells are used, else as consecutive runs by one cumulative sum (no
-``np.repeat``); the sources are then read by one ``torch.index_select`` of the CSC indices.
+this module, checked by tests/test_seeded_sampler.py against a copy of it): every step is
+one numpy/torch call over a whole hop's arrays (no Python loop over rows or edges; numpy's
+loops, sorts, fancy indexing and the generator's fills run without the GIL, as does torch's
+``index_select``), so a sampler thread holds the GIL only between calls. Positions are int32
+while drawn (degrees < 2^31); rows with repeats are found by comparing neighbours in the
+sorted picks, eight columns per 64-bit word; Floyd's per-step "already chosen" test is a
+compare against the earlier steps and a branch-free blend (a masked write was several times
+slower: its branches mispredict). The positions of the output edges are built as a (rows x
+fanout) matrix (``start + offset``, the rows above the fanout overwritten by their picks,
+the short rows' unused cells masked out) when most cells are used, else as consecutive runs
+by one cumulative sum (no ``np.repeat``); the sources are then read by one
+``torch.index_select`` of the CSC indices.
 """
 
 from __future__ import annotations
