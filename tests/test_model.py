@@ -166,3 +166,32 @@ def test_cpu_dropout_drops_with_probability_p_and_scales():
     b = d(x)
     torch.manual_seed(1)
     assert not torch.equal(a == 0, b == 0) and torch.equal(d(x) == 0, a == 0)
+
+
+def test_fused_relu_dropout_equals_relu_then_dropout():
+    """GraphSAGE's fused in-place ReLU + dropout (training, CPU) draws the same mask as ReLU
+    followed by the Dropout module: same output and same gradients for the same seed."""
+    sizes = [90, 40, 15, 6]
+    blocks = [random_block(s, d, 6, seed=60 + i)
+              for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    fused = GraphSAGE(12, 32, 5, 3, dropout=0.5)
+    plain = GraphSAGE(12, 32, 5, 3, dropout=0.5)
+    plain.load_state_dict(fused.state_dict())
+    plain.inplace_relu = False  # ReLU, then Dropout (its own pass and mask)
+    x = torch.randn(90, 12)
+    outs = []
+    for model in (fused, plain):
+        model.train()
+        torch.manual_seed(123)
+        out = model(blocks, x)
+        out.pow(2).sum().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    grads = dict(plain.named_parameters())
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-6, atol=1e-6, msg=name)
+    from trainer_client.model import _ReluDropout
+
+    y = _ReluDropout.apply(torch.tensor([[-1.0, 0.0, float("nan"), 2.0]]).repeat(64, 1), 0.5)
+    assert (y[:, :2] == 0).all() and torch.isnan(y[:, 2]).any()  # NaN passes as through ReLU
+    assert ((y[:, 3] == 0) | (y[:, 3] == 4.0)).all() and (y[:, 3] == 0).any()
