@@ -54,6 +54,14 @@ job_fail() {
     exit 1
 }
 
+# job_nap SECONDS: sleep, but let a trapped signal (Ctrl-C, SIGTERM) run its trap at once: the
+# wait builtin returns as soon as a trapped signal arrives, whereas a foreground `sleep` defers
+# the trap until it exits (a CI run once saw a SIGINT to the launcher never acted on).
+job_nap() {
+    sleep "$1" &
+    wait $! 2>/dev/null
+}
+
 # job_wait_ready NAME TIMEOUT_S: wait until server step NAME printed server-node's
 # {"event": "ready", ...} line; fail the job if the step exits first or the deadline passes.
 job_wait_ready() {
@@ -73,7 +81,7 @@ job_wait_ready() {
             job_tail "$name"
             exit 1
         fi
-        sleep 0.2
+        job_nap 0.2
     done
     job_log "$name ready"
 }
@@ -100,7 +108,7 @@ job_monitor() {
             job_log "${JOB_NAMES[$i]} finished"
         done
         ((running == 0)) && return 0
-        sleep 0.5
+        job_nap 0.5
     done
 }
 
