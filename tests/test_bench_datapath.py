@@ -42,7 +42,7 @@ def _positive(d: dict, *keys: str) -> None:
 @pytest.mark.timeout(120)
 def test_datapath_small(parts):
     s = _run(["benchmarks.datapath", "--parts", str(parts), "--fanouts", "5,5",
-              "--batch-size", "256", "--num-batches", "3", "--warmup", "1"], timeout=110)
+              "--batch-size", "256", "--num-batches", "20", "--warmup", "1"], timeout=110)
     assert {"config", "results", "ratios", "errors"} <= s.keys()
     assert s["errors"] == {}
     r = s["results"]
@@ -50,7 +50,7 @@ def test_datapath_small(parts):
                       "datapath-dgl-w1"}
     for n in (1, 2):
         m = r[f"datapath-mfgserve-{n}srv"]
-        assert m["servers"] == n and m["parts"] == 1 and m["batches"] == 3
+        assert m["servers"] == n and m["parts"] == 1 and m["batches"] == 20
         _positive(m, "seeds_per_s", "batches_per_s", "server_cpu_s",
                   "seeds_per_sampler_cpu_s", "seeds_per_total_cpu_s", "configured_sampler_cores")
         assert m["exit_codes"] == [0] * n and m["clean_exit"] is True
@@ -58,7 +58,7 @@ def test_datapath_small(parts):
         assert m["shm_ring"] is True and m["replies_in_ring"] > 0  # the ring was used
     for w in (0, 1):
         d = r[f"datapath-dgl-w{w}"]
-        assert d["num_workers"] == w and d["batches"] == 3
+        assert d["num_workers"] == w and d["batches"] == 20
         _positive(d, "seeds_per_s", "sampler_cpu_s", "seeds_per_sampler_cpu_s",
                   "seeds_per_total_cpu_s")
     _positive(s["ratios"], "per_core_1srv", "per_core_2srv", "per_total_cpu_1srv",
