@@ -62,6 +62,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.report import int_list
+
 STEP = "datapath"
 
 
@@ -496,13 +498,6 @@ def run_step(parts: Path, args) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------ CLI
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.datapath",
@@ -512,13 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "DataLoader sample + gather; seeds/s and seeds per sampler CPU-second. "
                     "Table on stderr, JSON as the last stdout line.")
     p.add_argument("--parts", required=True, help="partition set directory (partition-ogbn)")
-    p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
+    p.add_argument("--fanouts", type=int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
     p.add_argument("--num-batches", type=int, default=30,
                    help="timed batches per measurement, after the warm-up (30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed batches first (3, >= 1)")
-    p.add_argument("--servers", type=_int_list, default=[1, 2],
+    p.add_argument("--servers", type=int_list, default=[1, 2],
                    help="server counts to measure: replicas of each part, as worker-mode "
                         "--servers-per-part (default 1,2)")
     p.add_argument("--server-workers", type=int, default=2,
@@ -530,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-ring", action=argparse.BooleanOptionalAction, default=True,
                    help="the trainer's shared-memory ring for features (default: on, as a "
                         "same-host trainer has it)")
-    p.add_argument("--dgl-workers", type=_int_list, default=[0, 1],
+    p.add_argument("--dgl-workers", type=int_list, default=[0, 1],
                    help="DGL DataLoader num_workers values (default 0,1; empty: no DGL)")
     p.add_argument("--shutdown-timeout-s", type=float, default=20.0,
                    help="seconds for the servers to exit: a Shutdown message, after half of "

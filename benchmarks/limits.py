@@ -55,6 +55,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.report import int_list
+
 STEP = "limits"
 
 
@@ -393,13 +395,6 @@ def run_step(parts: Path, args) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------ CLI
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.limits",
@@ -409,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Table on stderr, JSON as the last stdout line.")
     p.add_argument("--parts", help="partition set directory (partition-ogbn); without it, only "
                    "the memory bandwidth is measured")
-    p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
+    p.add_argument("--fanouts", type=int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
     p.add_argument("--num-batches", type=int, default=4,

@@ -5,6 +5,7 @@ imported only by :func:`machine_info`, so a command's bad options fail fast."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -18,6 +19,14 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers ("15,10,5")."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 def logger(tag: str) -> Callable[[str], None]:

@@ -48,7 +48,15 @@ import traceback
 import warnings
 from pathlib import Path
 
-from benchmarks.report import REPO, command_line, emit_summary, logger, machine_info, ratio
+from benchmarks.report import (
+    REPO,
+    command_line,
+    emit_summary,
+    int_list,
+    logger,
+    machine_info,
+    ratio,
+)
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
@@ -58,13 +66,6 @@ MODULE_STEPS = ("step", "datapath", "limits")  # benchmarks.<name>.run_step(part
 LR, WEIGHT_DECAY = 3e-3, 5e-4  # Adam, both sides (mfgserve trainer's defaults)
 DGL_WARMUP_BATCHES = 2  # untimed DGL training batches before the timed DGL runs
 log = logger("bench")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 def _skip_list(text: str) -> list[str]:
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "Graph500 a,b,c = 0.57,0.19,0.19, noise 0.1)")
     p.add_argument("--cache-dir", default="data/bench",
                    help="where generated partition sets are cached (default data/bench)")
-    p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
+    p.add_argument("--fanouts", type=int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
     p.add_argument("--hidden", type=int, default=256, help="GraphSAGE hidden size (256)")
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "per evaluation pass, and the batch count of the sample-only "
                         "measurements (default: full epochs; 30 sample-only batches). "
                         "worker-mode always runs full epochs")
-    p.add_argument("--dgl-workers", type=_int_list, default=[0, 1],
+    p.add_argument("--dgl-workers", type=int_list, default=[0, 1],
                    help="DGL DataLoader num_workers values to measure (default 0,1)")
     p.add_argument("--num-trainers", type=int, default=1,
                    help="worker-mode trainers of the worker step (1); each takes --batch-size")
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for DGL, cores / trainers for worker-mode and DDP)")
     p.add_argument("--server-workers", type=int, default=2,
                    help="sampling threads per mfgserve server (default 2)")
-    p.add_argument("--sampler-procs", type=_int_list, default=[0, 2],
+    p.add_argument("--sampler-procs", type=int_list, default=[0, 2],
                    help="server-alone: measure once per value of sampler-server "
                         "--sampler-procs (0: --server-workers threads; default 0,2)")
     p.add_argument("--worker-sampler-procs", type=int, default=0,

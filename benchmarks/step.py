@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--fanouts: expected comma-separated integers, got {args.fanouts!r}",
               file=sys.stderr)
         return 2
-    if not Path(args.parts, "partition.json").is_file() and not Path(args.parts).is_dir():
+    if not Path(args.parts).is_dir():
         print(f"--parts {args.parts}: no such partition set directory", file=sys.stderr)
         return 2
     res = measure_step(Path(args.parts), fanouts, args.batch_size, args.hidden, args.dropout,

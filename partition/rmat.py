@@ -52,7 +52,7 @@ import numpy as np
 from tqdm import tqdm
 
 from partition.graph_data import DatasetError, GraphData
-from partition.synthetic import _dedupe_sorted, _write_int_csv
+from partition.synthetic import _merge_unique, _write_int_csv
 
 __all__ = ["generate_rmat", "GENERATOR_VERSION", "write_ogb_binary", "DEFAULT_PROBS", "DEFAULT_NOISE",
            "DEFAULT_TRAIN_FRAC", "DEFAULT_VALID_FRAC", "level_probs"]
@@ -173,18 +173,8 @@ def _edge_keys(rng, m_target: int, n: int, thr: np.ndarray, progress: bool) -> n
             break
         draws = int(want * 1.02 / accept) + 16
         pbar.total += draws
-        extra = _draw_keys(rng, draws, n, thr, pbar)
-        extra.sort()
-        extra = _dedupe_sorted(extra)
         before = keys.shape[0]
-        if before:  # two sorted runs: the stable sort (timsort) merges them in linear time
-            keys = np.concatenate([keys, extra])
-            del extra
-            keys.sort(kind="stable")
-            keys = _dedupe_sorted(keys)
-        else:
-            keys = extra
-            del extra
+        keys = _merge_unique(keys, _draw_keys(rng, draws, n, thr, pbar))
         accept = max((keys.shape[0] - before) / draws, 0.02)
     pbar.close()
     if keys.shape[0] > m_target:  # drop a random surplus

@@ -135,6 +135,19 @@ def _dedupe_sorted(keys: np.ndarray) -> np.ndarray:
     return keys[keep]
 
 
+def _merge_unique(keys: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """The sorted unique union of sorted unique ``keys`` and an unsorted batch ``extra``
+    (two sorted runs: the stable sort (timsort) merges them in linear time)."""
+    extra.sort()
+    extra = _dedupe_sorted(extra)
+    if not keys.shape[0]:
+        return extra
+    keys = np.concatenate([keys, extra])
+    del extra
+    keys.sort(kind="stable")
+    return _dedupe_sorted(keys)
+
+
 def _class_and_weights(
     rng, n: int, c: int, avg_degree: float, degree_exponent: float
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -185,20 +198,10 @@ def _draw_edge_keys(
         for _ in range(8):  # self loops and duplicates are dropped, then topped up
             draw = int(want / max(keep_rate, 0.05) * 1.02) + 16
             pbar.total = pbar.n + draw
-            extra = _sample_edges(
-                rng, draw, stubs, lab_pos, stub_lo, stub_hi, homophily, c, n, pbar
-            )
-            extra.sort()
-            extra = _dedupe_sorted(extra)
             before = keys.shape[0]
-            if before:  # two sorted runs: the stable sort (timsort) merges them in linear time
-                keys = np.concatenate([keys, extra])
-                del extra
-                keys.sort(kind="stable")
-                keys = _dedupe_sorted(keys)
-            else:
-                keys = extra
-                del extra
+            # the draw is passed unbound, so it is freed when the merge returns
+            keys = _merge_unique(keys, _sample_edges(
+                rng, draw, stubs, lab_pos, stub_lo, stub_hi, homophily, c, n, pbar))
             keep_rate = (keys.shape[0] - before) / draw
             want = m_target - keys.shape[0]
             if want <= 0:

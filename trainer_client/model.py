@@ -130,7 +130,7 @@ class _CpuDropout(torch.autograd.Function):
         return grad.masked_fill(drop, 0.0).mul_(ctx.scale), None
 
 
-class _ReluDropout(torch.autograd.Function):
+class _ReluDropout(_CpuDropout):
     """ReLU then :class:`_CpuDropout` (the same mask for the same random state) in one pass,
     in place on ``x``, keeping one bool mask for the backward: zeroed where dropped or not
     positive. For a layer output no other backward reads (SAGEConv's ``addmm_``): saves the
@@ -141,14 +141,9 @@ class _ReluDropout(torch.autograd.Function):
         drop, scale = _drop_mask(x.shape, p)
         zero = drop.logical_or_(x <= 0)  # NaN stays (as through ReLU)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(zero)
+        ctx.save_for_backward(zero)  # the backward is _CpuDropout's, with this mask
         ctx.scale = scale
         return x.masked_fill_(zero, 0.0).mul_(scale)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (zero,) = ctx.saved_tensors
-        return grad.masked_fill(zero, 0.0).mul_(ctx.scale), None
 
 
 class Dropout(nn.Dropout):
