@@ -58,8 +58,15 @@ import traceback
 from pathlib import Path
 
 from benchmarks.graphs import graph_bytes
-from benchmarks.report import REPO, command_line, emit_summary, logger, machine_info, ratio
-from benchmarks.run import _int_list
+from benchmarks.report import (
+    REPO,
+    command_line,
+    emit_summary,
+    int_list,
+    logger,
+    machine_info,
+    ratio,
+)
 from benchmarks.scale_steps import run_step_here
 from partition.layout import PartitionSetMeta
 
@@ -110,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the generated partition sets are cached, one per scale "
                         "(default data/bench-scale; ~2 GB at full scale, ~3.5 GB for the default "
                         "three scales)")
-    p.add_argument("--fanouts", type=_int_list, default=[15, 10, 5],
+    p.add_argument("--fanouts", type=int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
     p.add_argument("--batches", type=int, default=100,
