@@ -127,6 +127,34 @@ class BucketFiles:
                           f"{int(self._counts[b])} (the temp directory was changed underneath)")
         return arr
 
+    def read_chunks(self, b: int, rows: int):
+        """Bucket ``b`` as consecutive int64 blocks of at most ``rows`` values (in the order
+        added), each read with ``np.fromfile`` (a private buffer, never a mapping)."""
+        self.flush()
+        total = int(self._counts[b])
+        if total == 0:
+            return
+        with open(self.path(b), "rb") as f:
+            done = 0
+            while done < total:
+                block = np.fromfile(f, dtype=np.int64, count=min(int(rows), total - done))
+                if block.shape[0] == 0:
+                    raise OSError(f"{self.path(b)} ends after {done} of {total} values")
+                done += block.shape[0]
+                yield block
+
+    def discard(self, b: int) -> None:
+        """Delete bucket ``b``'s file (its disk space) once it is no longer needed; later
+        ``add`` calls to it start it afresh."""
+        self._check_open()
+        self._bufs[b] = []
+        self._buffered[b] = 0
+        self._counts[b] = 0
+        try:
+            os.unlink(self.path(b))
+        except FileNotFoundError:
+            pass
+
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("BucketFiles is closed")
