@@ -95,8 +95,9 @@ def _read_npy_header(f, where: str) -> tuple[tuple[int, ...], np.dtype, bool]:
                 else np.lib.format.read_array_header_2_0)
         shape, fortran, dtype = read(f)
     except (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error) as e:
-        raise DatasetError(f"{where}: not a valid .npy member ({e}); rewrite the archive with "
-                           "numpy.savez") from e
+        raise DatasetError(f"{where}: cannot read its .npy header ({type(e).__name__}: {e}); "
+                           "the archive is truncated or corrupt, or the member is not a .npy "
+                           "array: re-download it or rewrite it with numpy.savez") from e
     if dtype.hasobject:
         raise DatasetError(f"{where}: holds Python objects (dtype {dtype}); only plain numeric "
                            "arrays can be streamed: rewrite it with a numeric dtype")
