@@ -11,10 +11,14 @@ from common.config import opt
 from common.errors import ConfigError
 
 # options that belong to one generator only (the others apply to both)
-_SYNTHETIC_ONLY = ("homophily",)
+_SYNTHETIC_ONLY = ("homophily", "labeled_frac", "feat_dtype")
 _RMAT_ONLY = ("rmat_a", "rmat_b", "rmat_c", "rmat_noise")
+# synthetic options of the binary-layout generator (partition.biggen) only
+_BINARY_ONLY = ("labeled_frac", "feat_dtype")
 # fallbacks that differ for --dataset rmat (issue 14: ~200k training seeds of 2.1M nodes)
-_RMAT_FALLBACKS = {"train_frac": 0.1, "valid_frac": 0.05}
+_RMAT_FALLBACKS = {"train_frac": 0.1, "valid_frac": 0.05, "raw_format": "binary"}
+METHODS = ("metis", "random", "fennel", "ldg")
+STREAM_ONLY_METHODS = ("fennel", "ldg")
 
 
 @dataclass
@@ -54,10 +58,27 @@ class SyntheticConfig:
         None, "rmat only: per-level noise amplitude on the quadrant probabilities (noisy "
         "Kronecker graphs: smooths the degree distribution), within [0, min(b, c, (a + d) / "
         "2)]; 0 is plain RMAT", metavar="X", fallback=0.1)
+    raw_format: str | None = opt(
+        None, "layout the generated graph is written in: 'csv' (OGB's raw/*.csv.gz; "
+        "synthetic's default, generated in memory) or 'binary' (OGB's raw/data.npz + "
+        "raw/node-label.npz, as ogbn-papers100M ships; rmat always). Synthetic with 'binary' "
+        "is generated and written by node chunks (partition/biggen.py: memory linear in "
+        "nodes, never in edges), each undirected edge stored once, so the graph is read with "
+        "--add-reverse-edges as papers100M is; it is what --max-memory-gb needs for a "
+        "generated graph", choices=["csv", "binary"], fallback="csv")
+    labeled_frac: float | None = opt(
+        None, "synthetic --raw-format binary only: fraction of the nodes that carry a label, in "
+        "(0, 1]; the others get NaN in node-label.npz (papers100M labels ~1.5M of its 111M "
+        "nodes) and the splits are drawn from the labelled nodes", metavar="F", fallback=1.0)
+    feat_dtype: str | None = opt(
+        None, "synthetic --raw-format binary only: dtype of node_feat in raw/data.npz; "
+        "'float16' halves the feature bytes (kept as float16 in a streamed partition set)",
+        choices=["float32", "float16"], fallback="float32")
     raw_out: str = opt(
         "", "write the generated graph to DIR, readable with --dataset-dir DIR (synthetic: "
-        "OGB's csv raw layout; rmat: OGB's binary layout, raw/data.npz); with --out as well, "
-        "also partition it (rmat: read back from DIR through ogb)", metavar="DIR")
+        "OGB's csv raw layout, or binary with --raw-format binary; rmat: OGB's binary "
+        "layout, raw/data.npz); with --out as well, also partition it (read back from DIR "
+        "for rmat and --raw-format binary)", metavar="DIR")
 
     def given(self, names: tuple[str, ...] | None = None) -> list[str]:
         """The graph options set (not None), as flags (only those in ``names`` if given)."""
@@ -96,8 +117,22 @@ class PartitionConfig:
     num_parts: int = opt(1, "number of partitions, >= 1", metavar="N")
     method: str = opt(
         "metis", "node assignment: 'metis' minimises the edge cut and balances nodes and "
-        "training seeds (needs DGL with METIS; no silent fallback), 'random' deals nodes out "
-        "evenly", choices=["metis", "random"])
+        "training seeds (needs DGL with METIS, holds the whole graph in memory; no silent "
+        "fallback), 'random' deals nodes out evenly (cut ~ (N-1)/N of the edges), 'fennel' / "
+        "'ldg' stream the edges --stream-passes times and place each node with most of its "
+        "neighbours, balanced on nodes and training seeds (memory linear in nodes; always the "
+        "streaming pipeline)", choices=list(METHODS))
+    max_memory_gb: float | None = opt(
+        None, "keep the partitioner's peak resident memory under GB (GiB, measured with "
+        "psutil and reported): random / fennel / ldg then run the streaming pipeline (edges "
+        "and features read in chunks, edges bucketed through temporary files under "
+        "--work-dir, parts written by chunks); metis runs in memory if its estimate fits. A "
+        "budget below what the method needs fails before any work, naming the minimum. "
+        "Not given: no limit", metavar="GB")
+    stream_passes: int = opt(
+        2, "passes over the edges of --method fennel / ldg (each pass re-places every node "
+        "knowing the previous placement of all; 1 is the classic one-pass algorithm)",
+        metavar="P")
     halo_hops: int = opt(
         0, "also store, per part, the complete in-edges and features of other parts' nodes "
         "within K in-hops (0-3), so sampling hops 2..K+1 and their features need no "
@@ -120,9 +155,10 @@ class PartitionConfig:
         False, "make a directed dataset (e.g. ogbn-arxiv) bidirected by adding every edge "
         "reversed; no-op for datasets ogb already stores with inverse edges", negatable=False)
     work_dir: str = opt(
-        "", "where ogb's temporary processing directory goes, and --dataset rmat's temporary "
-        "raw directory without --raw-out (empty: --root for --dataset ogbn-*, the system "
-        "temp dir otherwise)", metavar="DIR")
+        "", "where temporary files go: ogb's processing directory, a generated graph's raw "
+        "directory without --raw-out, and the streaming pipeline's edge buckets (~8 bytes per "
+        "directed edge; empty: --root for --dataset ogbn-*, the system temp dir otherwise; "
+        "streaming: a hidden directory beside --out)", metavar="DIR")
     synthetic: SyntheticConfig = field(
         default_factory=SyntheticConfig,
         metadata={"help": "generated graph (--dataset synthetic or rmat)", "flatten": True})
@@ -135,6 +171,7 @@ class PartitionConfig:
                               "required")
         if self.num_parts < 1:
             raise ConfigError(f"--num-parts {self.num_parts}: the number of parts must be >= 1")
+        self._check_memory()
         generated = self.dataset in ("synthetic", "rmat")
         if self.synthetic.given() and not generated:
             raise ConfigError(f"{', '.join(self.synthetic.given())} only apply to --dataset "
@@ -161,6 +198,38 @@ class PartitionConfig:
                 f"--dataset {self.dataset!r}: expected an ogbn-* name (e.g. ogbn-arxiv), "
                 "'synthetic' or 'rmat'; for a local directory use --dataset-dir DIR")
 
+    def streaming(self) -> bool:
+        """Whether the streaming pipeline (partition.stream) partitions: --method fennel /
+        ldg always, random with --max-memory-gb."""
+        return self.method in STREAM_ONLY_METHODS or (
+            self.max_memory_gb is not None and self.method != "metis")
+
+    def _check_memory(self) -> None:
+        if self.max_memory_gb is not None and not self.max_memory_gb > 0:
+            raise ConfigError(f"--max-memory-gb {self.max_memory_gb:g} must be > 0 (GiB); "
+                              "leave it out for no limit")
+        if self.stream_passes < 1:
+            raise ConfigError(f"--stream-passes {self.stream_passes} must be >= 1")
+        if self.streaming() and self.halo_hops:
+            raise ConfigError(
+                f"--halo-hops {self.halo_hops} is not available in the streaming pipeline "
+                f"(--method {self.method}" + (", --max-memory-gb" if self.max_memory_gb else "")
+                + "): drop --halo-hops, or partition in memory with --method metis or random "
+                "without --max-memory-gb")
+        if self.max_memory_gb is None:
+            return
+        if self.dataset == "rmat":
+            raise ConfigError(
+                "--max-memory-gb does not apply to --dataset rmat, which is generated in "
+                "memory: write it first (--dataset rmat --raw-out DIR), then partition "
+                "--dataset-dir DIR --max-memory-gb GB; or use --dataset synthetic --raw-format "
+                "binary, generated by chunks")
+        if self.dataset == "synthetic" and (self.synthetic.raw_format or "csv") == "csv":
+            raise ConfigError(
+                "--max-memory-gb with --dataset synthetic needs --raw-format binary (the csv "
+                "generator holds the whole graph in memory; the binary one writes it by "
+                "chunks and the partitioner streams it back)")
+
     def _check_synthetic(self, s: SyntheticConfig) -> None:
         if s.num_nodes < 2:
             raise ConfigError(f"--num-nodes {s.num_nodes}: a synthetic graph needs >= 2 nodes")
@@ -179,6 +248,15 @@ class PartitionConfig:
                 "with a sum below 1 (the test split is the rest and must not be empty)")
         if self.dataset == "rmat":
             self._check_rmat(s)
+            if s.raw_format != "binary":
+                raise ConfigError("--dataset rmat is always written in OGB's binary layout; "
+                                  "remove --raw-format csv")
+        if s.raw_format == "csv" and self.synthetic.given(_BINARY_ONLY):
+            raise ConfigError(f"{', '.join(self.synthetic.given(_BINARY_ONLY))} only apply to "
+                              "--raw-format binary (the csv generator labels every node and "
+                              "writes float32); add --raw-format binary or remove them")
+        if not 0.0 < s.labeled_frac <= 1.0:
+            raise ConfigError(f"--labeled-frac {s.labeled_frac:g} must be within (0, 1]")
 
     @staticmethod
     def _check_rmat(s: SyntheticConfig) -> None:

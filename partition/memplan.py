@@ -15,8 +15,8 @@ directed edges and ``d``-dim features:
   correctness.
 * **metis** (the in-memory path of :mod:`partition.partitioner`): the whole graph, its sort
   keys, DGL's symmetrised copy and METIS's own structures. Fitted to runs of this pipeline
-  (see :data:`METIS_BYTES_PER_EDGE`); roughly 60 bytes per directed edge plus the float32
-  features twice.
+  (see :data:`METIS_BYTES_PER_EDGE`); roughly 44 bytes per directed edge plus the float32
+  features twice plus ~800 MiB.
 
 :func:`check_budget` raises :class:`MemoryBudgetError` (a :class:`PartitionError`, exit 2 in
 the CLI) naming the minimum and what to change. :class:`RssMonitor` polls this process's
@@ -54,11 +54,17 @@ MAX_EDGE_ROWS = 1 << 22
 MIN_SORT_BYTES = 32 * MiB
 MIN_BUCKET_BUFFER = 8 * MiB
 MAX_BUCKET_BUFFER = 256 * MiB
-# the in-memory METIS path: src + dst + sort keys (+ torch.sort's values and indices) + DGL's
-# graph and METIS's CSR of the symmetrised graph; fitted to measured peaks (docs/partitions.md)
-METIS_BYTES_PER_EDGE = 60
-METIS_BYTES_PER_NODE = 120
-METIS_BASE_BYTES = 700 * MiB  # torch + DGL imported
+# the in-memory METIS path (ogb's loader, then src + dst + sort keys + DGL's symmetrised graph
+# and METIS's CSR), fitted to two measured peaks of `partition-ogbn --method metis
+# --num-parts 4` on products-shaped graphs, 100-dim float32 features: 1.47 GiB for 300k nodes
+# / 12M directed edges (measured here, issue 12) and 7.1-7.6 GiB for 2.45M nodes / 124M
+# directed edges (issue 12's figure): ~41 bytes per directed edge, twice the float32
+# features (ogb's array and the float32 copy) and ~800 MiB of interpreter, torch and DGL.
+# The per-edge figure is rounded up to 44 (the 7.6 GiB end of the range). Node-only terms
+# (relabel maps, part ids) are absorbed in these two fits.
+METIS_BYTES_PER_EDGE = 44
+METIS_BYTES_PER_NODE = 0
+METIS_BASE_BYTES = 800 * MiB
 
 
 class MemoryBudgetError(PartitionError):

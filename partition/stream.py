@@ -248,7 +248,7 @@ def _assign(a: _Args, work: Path) -> np.ndarray:
         parts = stream_assign(
             lambda: a.source.edge_chunks(a.plan.edge_rows, a.add_reverse_edges), n, mask, k,
             method=a.method, passes=a.passes, seed=a.seed, tmp_dir=str(work),
-            budget_bytes=a.plan.assign_budget_bytes, progress=a.progress)
+            budget_bytes=a.plan.assign_budget_bytes, progress=a.progress, num_edges=a.e)
         parts = np.asarray(parts)
     if parts.shape != (n,) or (n and (parts.min() < 0 or parts.max() >= k)):
         raise PartitionError(f"part assignment is malformed (shape {parts.shape}, range "

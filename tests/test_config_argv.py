@@ -107,7 +107,12 @@ CASES = {
         PartitionConfig(dataset="rmat", synthetic=SyntheticConfig(
             rmat_a=0.5, rmat_b=0.2, rmat_c=0.2, rmat_noise=0.05),
             **dict(PARTITION, add_reverse_edges=False)),
-        PartitionConfig(dataset_dir="/d", **PARTITION)]),
+        PartitionConfig(dataset_dir="/d", **PARTITION),
+        # issue 12: the streaming pipeline and the binary-layout generator (no halo there)
+        PartitionConfig(dataset="synthetic", synthetic=SyntheticConfig(
+            num_nodes=500, raw_format="binary", labeled_frac=0.25, feat_dtype="float16"),
+            **dict(PARTITION, method="fennel", halo_hops=0, max_memory_gb=2.5,
+                   stream_passes=3))]),
 }
 # positional arguments a CLI takes outside its config dataclass
 POSITIONAL = {PlotConfig: ["/run"]}
