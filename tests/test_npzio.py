@@ -270,9 +270,12 @@ if mode == "write":
 else:
     with NpyMemberReader(path, "node_feat") as r:
         total = 0.0
+        now = proc.memory_info().rss
+        high = now
         for c in r.iter_rows(chunk):
             total += float(c[:, 0].sum(dtype=np.float64))
-        out["iter_growth"] = peak() - base
+            high = max(high, proc.memory_info().rss)  # sampled while a chunk is alive
+        out["iter_growth"] = max(peak() - base, high - now)
         out["sum"] = total
         if r.stored:
             view = r.rows(0, rows)  # the whole member as a view: nothing read yet
