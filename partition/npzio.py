@@ -48,6 +48,7 @@ import zipfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -192,9 +193,8 @@ class NpyMemberReader:
         self.member = member[:-4] if member.endswith(".npy") else member
         self.where = f"{self.path} member {self.member!r}"
         self._zip: zipfile.ZipFile | None = None
-        self._stream = None  # deflated: the open ZipExtFile
+        self._stream: IO[bytes] | None = None  # deflated: the open ZipExtFile
         self._pos = 0  # deflated: byte position in the array data of _stream
-        self._header_len = 0
         self._mmap: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
         self._fd: int | None = None
@@ -275,7 +275,7 @@ class NpyMemberReader:
     def _pread_into(self, out: np.ndarray, offset: int) -> None:
         """Fill ``out`` (C-contiguous) from file offset ``offset`` with plain reads."""
         assert self._fd is not None
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         done = 0
         while done < view.nbytes:
             step = min(_IO_BYTES, view.nbytes - done)
@@ -290,42 +290,50 @@ class NpyMemberReader:
         return DatasetError(f"{self.where}: {action} failed ({type(e).__name__}: {e}); the "
                             "archive is truncated or corrupt: re-download or rewrite it")
 
-    def _seek(self, pos: int) -> None:
-        """Position the inflating stream at array byte ``pos`` (restarting when behind)."""
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _seek(self, pos: int) -> IO[bytes]:
+        """The inflating stream positioned at array byte ``pos`` (restarted from the
+        member's start when ``pos`` lies behind it)."""
         assert self._zip is not None
         try:
             if self._stream is None or pos < self._pos:
-                if self._stream is not None:
-                    self._stream.close()
+                self._drop_stream()
                 self._stream = self._zip.open(self._info)
                 _read_npy_header(self._stream, self.where)
-                self._header_len = self._stream.tell()
                 self._pos = 0
+            stream = self._stream
             while self._pos < pos:  # inflate and discard
                 step = min(_IO_BYTES, pos - self._pos)
-                got = self._stream.read(step)
+                got = stream.read(step)
                 if len(got) != step:
                     raise EOFError(f"member data ended at byte {self._pos + len(got)}")
                 self._pos += step
+            return stream
         except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            self._drop_stream()
             raise self._wrap(e, f"inflating up to byte {pos}") from e
 
     def _stream_into(self, out: np.ndarray, pos: int) -> None:
-        self._seek(pos)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        stream = self._seek(pos)
+        view = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         done = 0
         try:
             while done < view.nbytes:
                 step = min(_IO_BYTES, view.nbytes - done)
-                got = self._stream.readinto(view[done: done + step])
+                got = stream.readinto(view[done: done + step])  # type: ignore[attr-defined]
                 if not got:
                     raise EOFError(f"member data ended at byte {pos + done} of {self.nbytes}")
                 done += got
             self._pos = pos + done
             if self._pos == self.nbytes:  # at the end: make zipfile check the CRC-32
-                if self._stream.read(1):
+                if stream.read(1):
                     raise zipfile.BadZipFile("data continues past the array's end")
         except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            self._drop_stream()
             raise self._wrap(e, f"reading bytes {pos}..{pos + view.nbytes}") from e
 
     # -- reading --------------------------------------------------------------------------
@@ -415,9 +423,7 @@ class NpyMemberReader:
 
     def close(self) -> None:
         """Close the file, map and stream (views from :meth:`rows` must not be used after)."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        self._drop_stream()
         if self._zip is not None:
             self._zip.close()
             self._zip = None
@@ -535,7 +541,7 @@ class _Member(_MemberBase):
             raise NpzWriteError(f"{self.writer.path}: member {self.name!r} of shape "
                                 f"{self.shape} holds {self.count} elements; this chunk of "
                                 f"{a.size} would bring it to {self.written + a.size}")
-        buf = memoryview(a.reshape(-1).view(np.uint8))
+        buf = memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         self.crc = zlib.crc32(buf, self.crc)
         self.writer._f.write(buf)
         self.written += a.size
@@ -591,7 +597,7 @@ class _ColumnMember(_MemberBase):
         item = self.dtype.itemsize
         for i in range(r):
             f.seek(self.data_start + (i * c + self.columns) * item)
-            f.write(memoryview(np.ascontiguousarray(rows[i]).view(np.uint8)))
+            f.write(memoryview(np.ascontiguousarray(rows[i]).view(np.uint8)))  # type: ignore[arg-type]
         self.columns += k
         self.written = self.columns * r
 
