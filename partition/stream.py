@@ -164,7 +164,8 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
                      halo_hops: int = 0, presample_batches: int = 16, passes: int = 2,
                      work_dir: str | os.PathLike | None = None,
                      presample_fanouts: tuple[int, ...] = (15, 10, 5),
-                     presample_batch_size: int = 1024) -> PartitionSetMeta:
+                     presample_batch_size: int = 1024,
+                     sort_bytes: int | None = None) -> PartitionSetMeta:
     """Partition ``source`` (a ``RawSource`` or :class:`GraphSource`) into ``num_parts``
     parts under ``out`` with bounded memory (module docstring); return the metadata.
 
@@ -172,7 +173,9 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
     (:func:`partition.memplan.min_bytes`) it raises :class:`memplan.MemoryBudgetError`
     before anything is read or written. ``work_dir``: where the temporary bucket files go
     (default: inside the staging directory beside ``out``, same filesystem); they take
-    about 8 bytes per directed edge and are deleted before returning.
+    about 8 bytes per directed edge and are deleted before returning. ``sort_bytes``
+    overrides the plan's largest in-memory sort (a smaller one splits parts into more
+    sub-buckets; the output is the same).
     """
     t0 = time.perf_counter()
     if not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
@@ -206,6 +209,8 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
                            "float16")
     budget = memplan.check_budget(method, n, e, d, feat_dtype.itemsize, k, max_memory_gb)
     plan = memplan.stream_plan(method, n, e, d, feat_dtype.itemsize, k, budget)
+    if sort_bytes is not None:
+        plan.sort_bytes = max(8, int(sort_bytes))
     args = _Args(source, k, method, seed, progress, add_reverse_edges, passes, plan,
                  (presample_batches, tuple(presample_fanouts), presample_batch_size), n, e, d,
                  feat_dtype, t0)
