@@ -49,7 +49,8 @@ groups and the blocks within each in a seeded random order (a different one each
 directed edge ``(src, dst)`` as the key ``src * n + dst`` to the node-range bucket of
 ``src`` (:class:`partition.buckets.BucketFiles`, plain files under ``tmp_dir``: 8 bytes per
 directed edge on disk). Each pass then loads consecutive buckets whose edges fit the group
-budget, sorts them (so a block's out-edges are one slice) and streams that node range. In
+budget, sorts them (so a block's out-edges are one slice; pass 1 writes the sorted keys back
+over the bucket files, so later passes only read) and streams that node range. In
 memory at once: the part array (8 bytes per node), a boolean seed mask (1 byte per node),
 one group of edge keys (sized from ``budget_bytes``) and bounded per-chunk/per-block
 temporaries; :func:`assign_bytes` is the minimum. Only out-edges are bucketed: for an
@@ -182,8 +183,14 @@ def _groups(counts: np.ndarray, span: int, n: int, group_edges: int) -> list[tup
     return out
 
 
-def _load_group(bf: BucketFiles, first: int, last: int, edges: int) -> np.ndarray:
-    """The keys of buckets ``first..last-1`` read into one array (no second copy), sorted."""
+def _load_group(bf: BucketFiles, first: int, last: int, edges: int,
+                sort: bool) -> np.ndarray:
+    """The keys of buckets ``first..last-1`` read into one array (no second copy), sorted.
+
+    With ``sort`` the keys are sorted and written back over the bucket files (each bucket is
+    a node range, so its keys are one slice of the sorted group, of the same length): later
+    passes read them with ``sort=False`` and skip the sort, the costliest step of a pass.
+    """
     keys = np.empty(edges, dtype=np.int64)
     off = 0
     for b in range(first, last):
@@ -197,7 +204,15 @@ def _load_group(bf: BucketFiles, first: int, last: int, edges: int) -> np.ndarra
             raise OSError(f"{bf.path(b)}: read {got} bytes, expected {8 * c} (the temporary "
                           "directory was changed underneath)")
         off += c
-    keys.sort()
+    if sort:
+        keys.sort()
+        off = 0
+        for b in range(first, last):
+            c = bf.count(b)
+            if c:
+                with open(bf.path(b), "r+b") as f:
+                    f.write(memoryview(keys[off:off + c]).cast("B"))
+                off += c
     return keys
 
 
@@ -399,7 +414,7 @@ def stream_assign(
             g_order = rng.permutation(len(groups)) if order == "random" else range(len(groups))
             for gi in g_order:
                 first, last, lo, hi, edges = groups[gi]
-                keys = _load_group(bf, first, last, edges)
+                keys = _load_group(bf, first, last, edges, sort=p == 0)
                 starts = np.arange(lo, hi, block, dtype=np.int64)
                 if order == "random":
                     starts = rng.permutation(starts)
