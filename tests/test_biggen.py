@@ -256,3 +256,21 @@ def test_memory_does_not_grow_with_edges(tmp_path):
     grew = got[160]["rss"] - got[20]["rss"]
     assert grew < 0.25 * edge_bytes, (got, edge_bytes)
     assert got[160]["peak"] <= got[160]["rss"]
+
+
+@pytest.mark.timeout(90)
+def test_partition_ogbn_reads_it_with_add_reverse_edges(gen, tmp_path):
+    """What --dataset ogbn-papers100M will see: the binary layout with NaN labels,
+    partitioned through ogb's reader with --add-reverse-edges (in process: the CLI's main)."""
+    from test_partition import check_partition_set
+
+    from partition.cli import main as partition_main
+
+    d, _ = gen
+    data = load_ogb(dataset_dir=str(d), add_reverse_edges=True)
+    out = tmp_path / "p2"
+    assert partition_main(["--dataset-dir", str(d), "--add-reverse-edges", "--num-parts", "2",
+                           "--out", str(out), "--presample-batches", "0",
+                           "--no-progress"]) == 0
+    meta = check_partition_set(data, out)
+    assert meta.num_parts == 2 and meta.num_edges == 2 * round(N * SMALL["avg_degree"] / 2)
