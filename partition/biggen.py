@@ -10,23 +10,28 @@ draw picks ``u`` proportionally to ``w``, then with probability ``homophily`` a 
 ``u``'s class, otherwise from the other classes (both proportionally to ``w``).
 
 What differs is the order of work. Nodes are cut into chunks of consecutive ids and every
-undirected edge ``{u, v}`` belongs to the chunk of its smaller endpoint: chunk ``[a, b)``
-draws ``u`` from its own nodes only (proportionally to ``w``), ``v`` as above, and keeps the
-draw when ``v > u``. Both endpoints' edges of a pair come from that one chunk, so duplicate
-edges are removed *within* the chunk (sorted keys ``u * N + v``) and there are none across
-chunks; ``u < v`` also rules out self loops. How many edges each chunk owns is fixed up front
-from the model (the expected share of draws with ``min(u, v)`` in the chunk, computed exactly
-from per-class suffix sums of the stub counts), rounded so that the chunks sum to exactly
-``round(num_nodes * avg_degree / 2)``; a chunk tops up its duplicate and rejected draws in more
-rounds until it holds its share (a chunk that cannot -- only in tiny, dense graphs -- fills the
-rest with uniform pairs ``u < v`` from its own rows). One difference from the in-memory model:
+undirected edge ``{u, v}`` belongs to the chunk of its smaller endpoint ``u``: the model's
+draws with ``u`` first and ``v > u``. Chunk ``[a, b)`` gives each of its nodes ``u`` a
+Poisson number of same-class partners drawn from the stubs of ``u``'s class with ids above
+``u`` (stubs are sorted by class, then id: a contiguous suffix, so none of these draws is
+wasted) and a Poisson number of other-class partners drawn from the whole stub array (kept
+when above ``u``), the rates being the model's (``w_u h S_k(>u) / S_k`` and ``w_u (1 - h)``,
+``S_k`` counting class ``k``'s stubs, ``(>u)`` those of ids above ``u``). All the edges of a
+pair come from that one chunk, so duplicate edges are removed *within* the chunk (sorted keys
+``u * N + v``) and there are none across chunks; ``u < v`` also rules out self loops. How
+many edges each chunk owns is fixed up front from the model (its expected share of those
+draws, computed exactly from per-class suffix sums of the stub counts), rounded so that the
+chunks sum to exactly ``round(num_nodes * avg_degree / 2)``; a chunk tops up its duplicates
+in more rounds until it holds its share (a chunk that cannot -- only in tiny, dense graphs --
+fills the rest with uniform pairs ``u < v`` from its own rows), then drops a random surplus.
+One difference from the in-memory model:
 a cross-class pair's probability is that of the draw from its smaller endpoint's side (the
 in-memory generator sums both orders), a relative change of ``|S_a - S_b| / S`` for the
 classes' stub totals ``S_a, S_b``, i.e. a few percent on cross-class edges.
 
 Features are class centroid plus noise exactly as in :mod:`partition.synthetic` (a nearest
 -centroid classifier on a node's own features gets about half the labels, on the mean of its
-neighbours' features over 0.95), stored float32 or float16. Labels are stored float64 ``[N,
+neighbours' features over 0.95, at 100 dimensions and 47 classes), stored float32 or float16. Labels are stored float64 ``[N,
 1]`` with NaN for a ``1 - labeled_frac`` fraction of the nodes (as ogbn-papers100M, where only
 ~1.4% of the nodes are labelled); the unlabelled nodes keep their class for the edges and
 features. Train / valid / test are ``train_frac`` / ``valid_frac`` / the rest *of the
@@ -128,8 +133,9 @@ def _split_sizes(n_lab: int, train_frac: float, valid_frac: float) -> tuple[int,
 
 
 class _Model:
-    """The O(num_nodes) state every chunk reads: labels, stub counts per node, the
-    class-sorted stub table, and each chunk's edge target and expected acceptance."""
+    """The O(num_nodes) state every chunk reads: classes, stub counts per node, the
+    class-sorted stub table, the node chunks with their edge targets and the stub counts
+    below each (``below``)."""
 
     def __init__(self, n, avg_degree, c, homophily, degree_exponent, seed,
                  chunk_edges=_EDGES_PER_CHUNK):
@@ -410,10 +416,14 @@ def write_synthetic_binary(
     worker) and the output does depend on it.
 
     Returns figures: ``nodes``, ``undirected_edges``, ``directed_edges`` (both directions),
-    ``labeled``, ``train`` / ``valid`` / ``test`` (sizes), ``homophily`` (measured fraction
-    of same-class edges), ``chunks``, ``bytes`` (all files written), ``seconds``,
-    ``edges_per_s`` (undirected edges written per second, whole run) and ``peak_rss_bytes``
-    (the process's peak resident set so far, getrusage).
+    ``feat_dim``, ``feat_dtype``, ``labeled``, ``train`` / ``valid`` / ``test`` (sizes),
+    ``homophily`` (measured fraction of same-class edges, unlabelled nodes by their class),
+    ``chunks``, ``workers``, ``bytes`` (all files written), ``seconds`` and ``cpu_seconds``
+    (whole call; ``phase_seconds`` / ``phase_cpu_seconds`` split them into model, edges,
+    features, labels_splits), ``edges_per_s`` (undirected edges per second of the whole
+    call), ``peak_rss_bytes`` (the process's peak resident set so far, getrusage: includes
+    whatever the process did before) and ``generator_version``. Raises
+    :class:`DatasetError` on bad arguments before writing anything.
     """
     from partition.npzio import NpzWriter  # H1's streaming .npz writer
 
