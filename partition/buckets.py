@@ -78,7 +78,11 @@ class BucketFiles:
                 raise ValueError(
                     f"BucketFiles.add: bucket ids span [{bucket_ids.min()}, "
                     f"{bucket_ids.max()}], outside [0, {self.num_buckets})")
-            order = np.argsort(bucket_ids, kind="stable")
+            # a stable sort of 16-bit keys is a radix sort in numpy: O(n), ~5x int64's
+            keys = (bucket_ids.astype(np.uint16, copy=False) if self.num_buckets <= 1 << 16
+                    else bucket_ids)
+            order = np.argsort(keys, kind="stable")
+            del keys
             counts = np.bincount(bucket_ids, minlength=self.num_buckets)
             ends = np.cumsum(counts)
             grouped = values[order]
