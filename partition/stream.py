@@ -408,16 +408,64 @@ def _unique(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_SAMPLE_SLICE = 4096  # frontier nodes gathered per step before the mapped pages are dropped
+
+
+class _MappedCSC:
+    """One part's indptr / indices, memory-mapped read-only. The pages a gather touches
+    count in this process's RSS until unmapped, so :meth:`drop` returns them
+    (``madvise(MADV_DONTNEED)``; they stay in the page cache) after every slice of
+    :data:`_SAMPLE_SLICE` nodes: resident memory stays at one slice's pages however large
+    the part."""
+
+    def __init__(self, pdir: Path):
+        self.indptr = np.load(pdir / "indptr.npy", mmap_mode="r")
+        self.indices = np.load(pdir / "indices.npy", mmap_mode="r")
+
+    def drop(self) -> None:
+        import mmap
+
+        for arr in (self.indptr, self.indices):
+            mm = getattr(arr, "_mmap", None)
+            if mm is not None and hasattr(mm, "madvise"):
+                try:
+                    mm.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):
+                    pass
+
+    def sample(self, loc: np.ndarray, fanout: int, rng: np.random.Generator) -> np.ndarray:
+        """In-neighbours of local nodes ``loc`` (sorted): all of them where the in-degree is
+        at most ``fanout`` (or fanout < 0), else ``fanout`` uniform draws with replacement
+        (a hotness ranking needs only the frequencies right)."""
+        out = []
+        for s in range(0, loc.size, _SAMPLE_SLICE):
+            sl = loc[s: s + _SAMPLE_SLICE]
+            starts = np.asarray(self.indptr[sl])
+            deg = np.asarray(self.indptr[sl + 1]) - starts
+            take = deg if fanout < 0 else np.minimum(deg, fanout)
+            full = take == deg
+            df = deg[full]
+            pos_full = np.repeat(starts[full] - np.cumsum(df) + df, df) + np.arange(
+                int(df.sum()))
+            cnt = take[~full]
+            pos_draw = np.repeat(starts[~full], cnt) + (
+                rng.random(int(cnt.sum())) * np.repeat(deg[~full], cnt)).astype(np.int64)
+            pos = np.sort(np.concatenate([pos_full, pos_draw]))
+            if pos.size:
+                out.append(np.asarray(self.indices[pos]))
+            self.drop()
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+
 def _presample_hotness(tmp: Path, offsets: np.ndarray, n: int, train: np.ndarray,
                        a: _Args) -> np.ndarray | None:
     """How often each node is an input node of pre-sampled mini-batches, sampled over the
-    parts' memory-mapped CSC by numpy (memory: one batch's frontier and the counts)."""
+    parts' memory-mapped CSC by numpy (memory: one batch's frontier, the counts, and one
+    slice's mapped pages)."""
     batches, fanouts, batch_size = a.presample
     if batches <= 0 or train.size == 0:
         return None
-    k = a.k
-    indptrs = [np.load(tmp / f"part-{p}" / "indptr.npy", mmap_mode="r") for p in range(k)]
-    indices = [np.load(tmp / f"part-{p}" / "indices.npy", mmap_mode="r") for p in range(k)]
+    csc = [_MappedCSC(tmp / f"part-{p}") for p in range(a.k)]
     rng = np.random.default_rng(a.seed)
     counts = np.zeros(n, dtype=np.int64)
     for _ in tqdm(range(batches), desc="pre-sample hot nodes", file=sys.stderr,
@@ -425,26 +473,9 @@ def _presample_hotness(tmp: Path, offsets: np.ndarray, n: int, train: np.ndarray
         frontier = np.sort(rng.choice(train, size=min(batch_size, train.size), replace=False))
         for fanout in fanouts:
             owner = np.searchsorted(offsets, frontier, side="right") - 1
-            nbrs = []
-            for p in range(a.k):
-                if not np.any(owner == p):
-                    continue
-                loc = frontier[owner == p] - offsets[p]
-                ip = indptrs[p]
-                starts = np.asarray(ip[loc])
-                deg = np.asarray(ip[loc + 1]) - starts
-                take = deg if fanout < 0 else np.minimum(deg, fanout)
-                # all in-edges where deg <= fanout, else fanout uniform draws (with
-                # replacement: a ranking needs only the frequencies right)
-                full = take == deg
-                pos_full = (np.repeat(starts[full] - np.cumsum(deg[full]) + deg[full],
-                                      deg[full]) + np.arange(int(deg[full].sum())))
-                cnt = take[~full]
-                pos_draw = (np.repeat(starts[~full], cnt) + (
-                    rng.random(int(cnt.sum())) * np.repeat(deg[~full], cnt)).astype(np.int64))
-                pos = np.concatenate([pos_full, pos_draw])
-                if pos.size:
-                    nbrs.append(np.asarray(indices[p][np.sort(pos)]))
+            bounds = np.searchsorted(owner, np.arange(a.k + 1))  # frontier is sorted
+            nbrs = [csc[p].sample(frontier[bounds[p]: bounds[p + 1]] - offsets[p], fanout, rng)
+                    for p in range(a.k) if bounds[p + 1] > bounds[p]]
             # the next layer samples from every source node of this one, destinations
             # included (as DGL's blocks do)
             frontier = _unique(np.concatenate([frontier, *nbrs]))
