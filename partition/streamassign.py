@@ -244,6 +244,11 @@ class _State:
             sc = counts - pen[None, :]
         else:
             sc = counts * (1.0 - fill[grp])
+        # Nodes with no placed neighbour ("blind") of one block thus all pick the same
+        # emptiest part. Dealing them over the parts instead (as one-at-a-time streaming
+        # would) was measured worse: 200k-node synthetic, 4 parts, random order, 4 seeds,
+        # mean cut ldg 2 passes 0.27 vs 0.19, fennel 0.27 vs 0.22; the piled-up blocks seed
+        # coherent regions that later nodes follow.
         sc -= 1e-7 * fill[grp]
         return sc
 
