@@ -1,0 +1,1303 @@
+"""``python -m benchmarks.capacity``: a capacity model for mfgserve, calibrated here.
+
+Three steps (docs/scaling.md has the equations and the figures):
+
+* ``measure --out FILE.json``: calibrate on a small generated products-shaped graph
+  (:func:`partition.synthetic.generate`, written in OGB's binary layout and partitioned by
+  ``partition-ogbn`` in subprocesses): per-layer shape of a sampled batch (destination nodes,
+  sampled edges per destination, input nodes) and the effective population that fits the
+  measured input-node count; one real sampler server's CPU-ms per batch (psutil, over the timed
+  batches only) split into sampling and gathering; reply bytes per
+  batch on the socket; server-to-server bytes and CPU with 2 parts; partition bytes per node
+  and per edge (from the files); ``partition-ogbn`` wall time and peak RSS at several graph
+  sizes, fitted as ``fixed + per edge + per feature byte`` for each method measured.
+* ``predict --dataset ogbn-products|ogbn-papers100M|custom --servers K --trainers K
+  --bandwidth-gbps B --calibration FILE.json``: memory per server, partitioning time and
+  peak, bytes on the wire per epoch and the epoch time bound by sampling cores, network and
+  GPU compute, and which bound binds.
+* ``check --calibration FILE --runs RUNS.json``: predicted vs measured for runs made here
+  (``benchmarks.scalerun``'s JSON), error in %, flagged beyond 25 %.
+
+Every step prints a table on stderr and one JSON object as the last stdout line. Bad input
+(missing or malformed calibration, unknown dataset, impossible sizes) exits 2 with a message
+naming the option to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.report import REPO, command_line, int_list, logger
+from common.errors import ConfigError
+
+log = logger("capacity")
+
+CALIBRATION_FORMAT = "mfgserve-capacity-calibration"
+CALIBRATION_VERSION = 1
+
+PRODUCTS_NODES = 2_449_029
+PRODUCTS_EDGES = 61_859_140  # undirected; stored both ways: 123,718,280 directed
+PRODUCTS_TRAIN = 196_615
+PRODUCTS_AVG_DEGREE = 2 * PRODUCTS_EDGES / PRODUCTS_NODES
+
+# Published sizes (OGB paper, Hu et al. 2020, and the ogb dataset pages). papers100M stores
+# 1,615,685,872 directed citation edges once; partitioned with --add-reverse-edges (as mfgserve
+# does), the graph holds both directions: 3,231,371,744 directed edges.
+DATASETS = {
+    "ogbn-products": {"nodes": PRODUCTS_NODES, "directed_edges": 2 * PRODUCTS_EDGES,
+                      "feat_dim": 100, "train_nodes": PRODUCTS_TRAIN, "feat_bytes": 4},
+    "ogbn-papers100M": {"nodes": 111_059_956, "directed_edges": 2 * 1_615_685_872,
+                        "feat_dim": 128, "train_nodes": 1_207_179, "feat_bytes": 4},
+}
+
+# GPU step time assumed when --gpu-step-ms is not given. SALIENT (Kaler et al., "Accelerating
+# Training and Inference of Graph Neural Networks with Fast Sampling and Pipelining", MLSys
+# 2022, https://proceedings.mlsys.org/paper/2022/hash/35f4a8d465e6e1edc05f3d8ab658c551-Abstract.html):
+# 3-layer GraphSAGE, fanouts (15,10,5), ogbn-papers100M, 2.0 s per epoch on 16 GPUs (V100),
+# an 8x parallel speedup over its single-GPU run, i.e. ~16 s per epoch on one GPU for
+# ceil(1,207,179 / 1024) = 1,179 batches of 1024 seeds: <= 13.6 ms per batch for the whole
+# pipelined step. The model scales it by the batch's predicted input nodes relative to a
+# papers100M batch (the step's work grows with the MFG).
+GPU_REF = {"step_ms": 16.0 * 1000 / 1179, "dataset": "ogbn-papers100M", "batch_size": 1024,
+           "fanouts": [15, 10, 5], "gpu": "V100 (one of 16; single-GPU time = 8 x 2.0 s)",
+           "source": "SALIENT, Kaler et al., MLSys 2022: papers100M GraphSAGE (15,10,5) "
+                     "2.0 s/epoch on 16 GPUs, 8x over 1 GPU -> ~16 s/epoch / 1,179 batches"}
+
+FLAG_PCT = 25.0
+GIB = 1 << 30  # --max-memory-gb counts GiB, as partition-ogbn does
+
+
+class CapacityError(ConfigError):
+    """Bad input to the calculator: printed without a traceback, exit code 2."""
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def layer_walk(seeds: float, fanouts: list[int], phis: list[float], n_eff: float
+               ) -> list[dict]:
+    """Expected shape of one sampled batch, hop by hop from the seeds outwards.
+
+    Hop h samples the in-neighbours of every node gathered so far (DGL's block convention:
+    a layer's destination nodes are all nodes of the previous hop), ``phi_h`` edges per
+    destination node on average (the fanout, less where degrees are smaller). New distinct
+    nodes follow an occupancy law over an effective population ``n_eff``: after ``m``
+    degree-biased draws ``n_eff * (1 - exp(-m / n_eff))`` distinct nodes are expected. The
+    draws already made are recovered from the current count, so the seeds (distinct by
+    construction) count as the draws that produce them. Returns, per hop (seed side first),
+    ``{"fanout", "dst", "edges", "src"}``.
+    """
+    out = []
+    nodes = float(seeds)
+    for fanout, phi in zip(reversed(fanouts), reversed(phis), strict=True):
+        dst = nodes
+        edges = dst * phi
+        frac = min(dst / n_eff, 1 - 1e-12)
+        drawn = -n_eff * math.log1p(-frac)
+        nodes = max(dst, n_eff * -math.expm1(-(drawn + edges) / n_eff))
+        out.append({"fanout": fanout, "dst": dst, "edges": edges, "src": nodes})
+    return out
+
+
+def neff_of(sampling: dict, nodes: float) -> float:
+    """The calibration's effective population for a graph of ``nodes`` nodes."""
+    return sampling["neff_coef"] * nodes ** sampling["neff_exp"]
+
+
+def fit_alpha(nodes: int, seeds: float, fanouts: list[int], phis: list[float],
+              input_nodes: float) -> float:
+    """The ``alpha = n_eff / nodes`` whose :func:`layer_walk` gives ``input_nodes``
+    (bisection on log alpha; clamped to [1e-4, 1e3])."""
+    lo, hi = math.log(1e-4), math.log(1e3)
+
+    def final(a: float) -> float:
+        return layer_walk(seeds, fanouts, phis, math.exp(a) * nodes)[-1]["src"]
+
+    if final(hi) <= input_nodes:
+        return math.exp(hi)
+    if final(lo) >= input_nodes:
+        return math.exp(lo)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if final(mid) < input_nodes:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)
+
+
+# E[max of K independent standard normals], K = 1..8 (for the seeds' majority part)
+_MAX_NORMAL = (0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236)
+
+
+def seed_share(num_parts: int, batch: float) -> float:
+    """Expected share of a batch's seeds owned by the part that serves it. A trainer sends
+    each batch to the part owning most of its seeds (trainer_client.loader); a shuffled batch
+    of ``batch`` seeds spreads over the parts like a multinomial, whose largest count is about
+    ``batch / K + sd * E[max of K normals]``."""
+    k = num_parts
+    if k <= 1:
+        return 1.0
+    z = _MAX_NORMAL[k - 1] if k <= len(_MAX_NORMAL) else math.sqrt(2 * math.log(k))
+    sd = math.sqrt(batch * (1 / k) * (1 - 1 / k))
+    return min(1.0, (batch / k + sd * z) / batch)
+
+
+def locality(num_parts: int, cut: float, walk: list[dict], first: float = 1.0) -> list[float]:
+    """Fraction of each hop's destination nodes owned by the part that serves the batch, then
+    the fraction for the input nodes (last entry). ``first``: the share of the seeds it owns
+    (1 when the seeds are all its own, as in ``measure``'s server run; :func:`seed_share` for a
+    trainer's shuffled batches).
+
+    A new node reached over an edge from a local node is local with probability ``1 - cut``,
+    from a remote node with ``cut / (K - 1)`` (the cut spread evenly over the other parts).
+    Random assignment has ``cut = (K - 1) / K``: every node after the seeds is local with
+    probability 1/K; with seeds spread evenly (``first = 1/K``) so is every node, whatever
+    the cut."""
+    if num_parts <= 1:
+        return [1.0] * (len(walk) + 1)
+    total = float(walk[0]["dst"])
+    local = first * total
+    fracs = []
+    for hop in walk:
+        p = local / total if total else 1.0
+        fracs.append(p)
+        new = max(hop["src"] - hop["dst"], 0.0)
+        p_new = p * (1 - cut) + (1 - p) * cut / (num_parts - 1)
+        local += new * p_new
+        total += new
+    fracs.append(local / total if total else 1.0)
+    return fracs
+
+
+def reply_bytes(walk: list[dict], seeds: float, feat_dim: int, feat_bytes: int) -> float:
+    """Bytes of one MFG reply as the codec sends it: input node ids and features, per layer a
+    CSC (indptr over destinations, int64 source positions), seed ids and labels (int64)."""
+    input_nodes = walk[-1]["src"]
+    csc = sum(8 * (h["dst"] + 1) + 8 * h["edges"] for h in walk)
+    return input_nodes * (8 + feat_dim * feat_bytes) + csc + 16 * seeds
+
+
+def remote_bytes(walk: list[dict], fracs: list[float], feat_dim: int, feat_bytes: int
+                 ) -> float:
+    """Server-to-server bytes of one batch, the answers' direction (what the asking server
+    receives; the requests carry 8 bytes per remote node, a few percent of this): per hop the
+    remote destination nodes' sampled neighbours (a count per node, an id per edge), then the
+    remote input nodes' features."""
+    b = 0.0
+    for hop, p in zip(walk, fracs, strict=False):
+        b += (1 - p) * (hop["dst"] * 8 + hop["edges"] * 8)
+    return b + (1 - fracs[-1]) * walk[-1]["src"] * feat_dim * feat_bytes
+
+
+def fit_linear(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Non-negative least squares of ``ys`` on ``rows`` (scipy's NNLS): no negative cost per
+    edge or byte from noise on a few small runs."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    a = np.asarray(rows, dtype=float)
+    y = np.asarray(ys, dtype=float)
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns of very different size
+    coef, _ = nnls(a / scale, y)
+    return [float(c) for c in coef / scale]
+
+
+def _target(args: argparse.Namespace) -> dict:
+    """The graph to predict for: a named dataset's published sizes, or --nodes ... (custom);
+    explicit options override the named dataset's figures."""
+    if args.dataset in DATASETS:
+        t = dict(DATASETS[args.dataset])
+    elif args.dataset == "custom":
+        missing = [f"--{k.replace('_', '-')}" for k in ("nodes", "edges", "feat_dim",
+                                                        "train_nodes")
+                   if getattr(args, k) is None]
+        if missing:
+            raise CapacityError(f"--dataset custom needs {', '.join(missing)} (the graph's "
+                                "size); or choose --dataset ogbn-products / ogbn-papers100M")
+        t = {"feat_bytes": 4}
+    else:
+        raise CapacityError(f"--dataset {args.dataset!r} is unknown; choose one of "
+                            f"{', '.join([*DATASETS, 'custom'])} (custom needs --nodes, "
+                            "--edges, --feat-dim, --train-nodes)")
+    if args.nodes is not None:
+        t["nodes"] = args.nodes
+    if args.edges is not None:  # undirected edges; the partitions store both directions
+        t["directed_edges"] = 2 * args.edges
+    if args.feat_dim is not None:
+        t["feat_dim"] = args.feat_dim
+    if args.train_nodes is not None:
+        t["train_nodes"] = args.train_nodes
+    if args.feat_dtype:
+        t["feat_bytes"] = 2 if args.feat_dtype == "float16" else 4
+    t["dataset"] = args.dataset
+    if t["nodes"] < 2 or t["directed_edges"] < 0 or t["feat_dim"] < 1 \
+            or not 0 < t["train_nodes"] <= t["nodes"]:
+        raise CapacityError(f"impossible graph: {t['nodes']} nodes, {t['directed_edges']} "
+                            f"directed edges, {t['feat_dim']}-dim features, "
+                            f"{t['train_nodes']} training nodes; fix --nodes / --edges / "
+                            "--feat-dim / --train-nodes")
+    return t
+
+
+def partition_fit(cal: dict, method: str) -> tuple[str, dict]:
+    """The fitted partitioning costs of ``method`` in the calibration, else of the method
+    measured (fennel preferred, then random) with a note saying so."""
+    fits = cal["partition"]["fit"]
+    if method in fits:
+        return method, fits[method]
+    for m in ("fennel", "random"):
+        if m in fits:
+            return m, fits[m]
+    raise CapacityError(f"the calibration has no partitioning fit (methods: {sorted(fits)}); "
+                        "re-run `python -m benchmarks.capacity measure`")
+
+
+def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: float,
+            gpu_step_ms: float | None = None, server_cores: int = 16, method: str = "fennel",
+            edge_cut: float | None = None, max_memory_gb: float | None = None,
+            input_nodes: float | None = None, server_threads: int | None = None,
+            shm_ring: bool = False, inflight: int | None = None,
+            batches_by_part: bool = False) -> dict:
+    """Every predicted figure for graph ``t`` (nodes, directed_edges, feat_dim, feat_bytes,
+    train_nodes) on ``servers`` server nodes and ``trainers`` trainer nodes; see
+    docs/scaling.md for the equations. ``shm_ring``: trainers share the servers' node and
+    take features through the shared-memory ring (worker mode), so a reply's socket bytes and
+    encoding leave the features out. ``batches_by_part``: every batch holds seeds of one part
+    only (not what trainer_client.loader does today: it shuffles all seeds and sends a batch to
+    the part owning most of them), so the partition's edge cut sets the remote share."""
+    if servers < 1 or trainers < 1:
+        raise CapacityError("--servers and --trainers must be >= 1")
+    if bandwidth_gbps <= 0:
+        raise CapacityError(f"--bandwidth-gbps {bandwidth_gbps:g} must be > 0 (Gbit/s per "
+                            "node, e.g. 10 or 100)")
+    if server_cores < 1:
+        raise CapacityError("--server-cores must be >= 1")
+    s = cal["sampling"]
+    n, e, d, fb = t["nodes"], t["directed_edges"], t["feat_dim"], t["feat_bytes"]
+    k = servers
+    b = s["batch_size"]
+    fanouts, phis = s["fanouts"], s["phi"]
+    seeds = min(b, t["train_nodes"])
+    walk = layer_walk(seeds, fanouts, phis, neff_of(s, n))
+    if input_nodes is not None:  # a measured figure given: rescale the walk to it
+        walk = layer_walk(seeds, fanouts, phis,
+                          fit_alpha(n, seeds, fanouts, phis, input_nodes) * n)
+    cut_used = edge_cut if edge_cut is not None else (
+        (k - 1) / k if method == "random" else cal.get("cut_by_parts", {}).get(
+            str(k), (k - 1) / k))
+    if not 0 <= cut_used <= 1:
+        raise CapacityError(f"--edge-cut {cut_used:g} must be within [0, 1]")
+    fracs = locality(k, cut_used, walk, 1.0 if batches_by_part else seed_share(k, seeds))
+    in_nodes = walk[-1]["src"]
+    edges = sum(h["edges"] for h in walk)
+    feat_bytes_batch = in_nodes * d * fb
+    reply = reply_bytes(walk, seeds, d, fb) * s["reply_overhead"]
+    if shm_ring:
+        reply = max(reply - feat_bytes_batch, 0.0)
+    remote = remote_bytes(walk, fracs, d, fb) * s.get("remote_overhead", 1.0)
+
+    # memory: a server maps its part; anonymous memory = fixed + relabel scratch + batches
+    pb = cal["partition"]["bytes"]
+    part_node_bytes = pb["per_node_nonfeat"] + d * fb
+    graph = n * part_node_bytes + e * pb["per_edge"]
+    m = cal["server_memory"]
+    threads = server_threads or m["threads"]
+    scratch = threads * 4 * n
+    work = (inflight or m["inflight"]) * (feat_bytes_batch + reply)
+    server_mem = graph / k + m["fixed_anon_bytes"] + scratch + work
+
+    # partitioning
+    pm, pf = partition_fit(cal, method)
+    feat_total = n * d * fb
+    part_s = pf["time"][0] + pf["time"][1] * (16 * e + feat_total)
+    part_peak = pf["peak"][0] + pf["peak"][1] * e / k + pf["peak"][2] * n
+    budget = max_memory_gb * GIB if max_memory_gb else None
+    min_need = _min_budget(pm, n, e, d, fb, k)
+    if min_need is not None and part_peak < min_need:
+        part_peak = float(min_need)  # never below what partition.memplan says it needs
+    capped = False
+    if budget and pm != "metis" and min_need is not None and part_peak > budget:
+        # the streaming pipeline sizes its chunks and sort buckets from the budget
+        # (partition.memplan.stream_plan: 4/5 of what its minimum leaves free)
+        part_peak, capped = min_need + 0.8 * max(budget - min_need, 0), True
+
+    # epoch
+    batches = math.ceil(t["train_nodes"] / b)
+    per_trainer = math.ceil(batches / trainers)
+    c = cal["server_cpu"]
+    cpu_ms = (c["ms_per_sampled_edge"] * edges + c["ms_per_feature_byte"] * feat_bytes_batch
+              + c["ms_per_reply_byte"] * reply + c["ms_per_remote_byte"] * remote)
+    sampling_s = batches * cpu_ms / 1000 / (k * server_cores)
+    link = bandwidth_gbps * 1e9 / 8
+    server_out = batches / k * (reply + remote)  # replies to trainers + answers to peers
+    trainer_in = per_trainer * reply
+    network_s = max(server_out, trainer_in) / link
+    gpu = gpu_step_ms if gpu_step_ms is not None else None
+    gpu_source = "--gpu-step-ms (given)"
+    if gpu is None:
+        ref = cal.get("gpu_ref_input_nodes")
+        gpu = GPU_REF["step_ms"] * (in_nodes / ref if ref else 1.0)
+        gpu_source = (f"{GPU_REF['source']}; scaled by input nodes {in_nodes:,.0f} / "
+                      f"{ref:,.0f} (predicted papers100M batch)" if ref else GPU_REF["source"])
+    gpu_s = per_trainer * gpu / 1000
+    bounds = {"sampling_cores": sampling_s, "network": network_s, "gpu": gpu_s}
+    binds = max(bounds, key=bounds.get)  # type: ignore[arg-type]
+    return {
+        "dataset": t["dataset"], "nodes": n, "directed_edges": e, "feat_dim": d,
+        "feat_bytes": fb, "train_nodes": t["train_nodes"], "servers": k, "trainers": trainers,
+        "bandwidth_gbps": bandwidth_gbps, "server_cores": server_cores, "shm_ring": shm_ring,
+        "batch_size": b, "fanouts": fanouts,
+        "batch": {"input_nodes": round(in_nodes), "sampled_edges": round(edges),
+                  "layers": [{kk: round(v) for kk, v in h.items()} for h in walk],
+                  "reply_bytes": round(reply), "remote_bytes": round(remote),
+                  "local_fraction": [round(f, 4) for f in fracs],
+                  "server_cpu_ms": round(cpu_ms, 2)},
+        "edge_cut": round(cut_used, 4), "batches_by_part": batches_by_part,
+        "graph_bytes": round(graph), "server_memory_bytes": round(server_mem),
+        "server_memory_parts": {"part_files": round(graph / k),
+                                "fixed_anon": round(m["fixed_anon_bytes"]),
+                                "relabel_scratch": round(scratch),
+                                "batches_in_flight": round(work)},
+        "partition": {"method": pm, "method_asked": method, "wall_s": round(part_s, 1),
+                      "peak_rss_bytes": round(part_peak),
+                      "max_memory_bytes": round(budget) if budget else None,
+                      "fits_budget": None if budget is None else part_peak <= budget,
+                      "min_budget_bytes": min_need, "peak_capped_by_budget": capped},
+        "epoch": {"batches": batches, "batches_per_trainer": per_trainer,
+                  "wire_bytes": round(batches * (reply + remote)),
+                  "reply_bytes": round(batches * reply),
+                  "server_to_server_bytes": round(batches * remote),
+                  "bounds_s": {kk: round(v, 2) for kk, v in bounds.items()},
+                  "time_s": round(bounds[binds], 2), "binds": binds,
+                  "gpu_step_ms": round(gpu, 2), "gpu_step_source": gpu_source},
+    }
+
+
+def _min_budget(method: str, n: int, e: int, d: int, fb: int, k: int) -> int | None:
+    """partition.memplan's minimum budget for ``method`` where that module exists."""
+    try:
+        from partition import memplan  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        return int(memplan.min_bytes(method, n, e, d, fb, k))
+    except Exception:  # an older / newer signature: the figure is optional
+        return None
+
+
+# ------------------------------------------------------------------------------ calibration
+
+
+def load_calibration(path: str | None) -> dict:
+    if not path:
+        raise CapacityError("--calibration FILE.json is required; make one with "
+                            "`python -m benchmarks.capacity measure --out FILE.json`")
+    p = Path(path)
+    if not p.is_file():
+        raise CapacityError(f"--calibration {p} does not exist; make it with "
+                            f"`python -m benchmarks.capacity measure --out {p}`")
+    try:
+        cal = json.loads(p.read_text().strip().splitlines()[-1])
+    except (OSError, IndexError, json.JSONDecodeError) as e:
+        raise CapacityError(f"--calibration {p} is not a calibration JSON ({e}); re-make it "
+                            "with `python -m benchmarks.capacity measure`") from e
+    if not isinstance(cal, dict) or cal.get("format") != CALIBRATION_FORMAT:
+        raise CapacityError(f"--calibration {p} is not a capacity calibration (format "
+                            f"{cal.get('format') if isinstance(cal, dict) else None!r}); "
+                            "pass the file `benchmarks.capacity measure --out` wrote")
+    if cal.get("version") != CALIBRATION_VERSION:
+        raise CapacityError(f"--calibration {p} has version {cal.get('version')}, this "
+                            f"calculator reads {CALIBRATION_VERSION}; re-run measure")
+    for key in ("sampling", "server_cpu", "server_memory", "partition"):
+        if key not in cal:
+            raise CapacityError(f"--calibration {p} lacks {key!r}; re-run measure")
+    return cal
+
+
+def _rusage_children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _partition_cli_methods() -> set[str]:
+    """The --method choices this checkout's partition-ogbn offers."""
+    import dataclasses
+
+    from partition.config import PartitionConfig
+
+    for f in dataclasses.fields(PartitionConfig):
+        if f.name == "method":
+            return set(f.metadata.get("choices") or ())
+    return set()
+
+
+def _poll_peak_rss(proc: subprocess.Popen, timeout_s: float, interval_s: float = 0.05
+                   ) -> int:
+    """Wait for ``proc``, polling the RSS of its process tree (psutil); the peak sum."""
+    import psutil
+
+    peak = 0
+    deadline = time.monotonic() + timeout_s
+    try:
+        root = psutil.Process(proc.pid)
+    except psutil.Error:
+        root = None
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        if root is not None:
+            rss = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    rss += p.memory_info().rss
+            except psutil.Error:
+                pass
+            peak = max(peak, rss)
+        time.sleep(interval_s)
+    return peak
+
+
+def _run_partition(raw: Path, out: Path, parts: int, method: str, max_memory_gb: float | None,
+                   timeout_s: float) -> dict:
+    """``partition-ogbn --dataset-dir raw`` in a subprocess: wall time and peak RSS.
+
+    The peak is what psutil sees: this function's poll of the process tree and the CLI's own
+    sampled peak (``peak_rss_sampled_bytes`` in metadata.json). The CLI's getrusage figure is
+    kept apart (``peak_rss_getrusage_bytes``): Linux carries a parent's high-water mark into
+    a child across fork and exec, so it is never below this process's RSS at the spawn."""
+    argv = [sys.executable, "-m", "partition.cli", "--dataset-dir", str(raw), "--num-parts",
+            str(parts), "--out", str(out), "--method", method, "--no-progress"]
+    if max_memory_gb:
+        argv += ["--max-memory-gb", f"{max_memory_gb:g}"]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                stdin=subprocess.DEVNULL)
+        polled = _poll_peak_rss(proc, timeout_s)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip()[-1500:]
+            raise RuntimeError(f"{' '.join(argv[2:])} exited {proc.returncode}: {tail}")
+    from partition.layout import PartitionSetMeta
+
+    meta = PartitionSetMeta.load(out)
+    st = meta.stats
+    sampled = int(st.get("peak_rss_sampled_bytes") or 0)
+    return {"method": method, "num_parts": parts, "nodes": meta.num_nodes,
+            "directed_edges": meta.num_edges, "feat_dim": meta.feat_dim,
+            "wall_s": round(wall, 3), "partition_s": st.get("elapsed_s"),
+            "peak_rss_bytes": max(polled, sampled), "peak_rss_polled_bytes": polled,
+            "peak_rss_sampled_bytes": sampled,
+            "peak_rss_getrusage_bytes": st.get("peak_rss_bytes"),
+            "edge_cut_frac": round(st.get("edge_cut_frac", 0.0), 5),
+            "max_memory_gb": max_memory_gb}
+
+
+def _layer_stats(parts: Path, fanouts: list[int], batch: int, batches: int, seed: int) -> dict:
+    """Sample ``batches`` MFGs in this process from a 1-part set: per hop (seed side first)
+    mean destination nodes, sampled edges and source nodes; mean input nodes."""
+    import torch
+
+    from sampler_server.neighbor_sampler import (
+        DistributedNeighbors,
+        Timings,
+        new_scratch,
+        sample_mfg,
+    )
+    from sampler_server.partition_store import PartitionStore
+
+    store = PartitionStore(str(parts), 0, seed=seed)
+    scratch = new_scratch(store.meta.num_nodes)
+    train = store.seeds("train")
+    g = torch.Generator().manual_seed(seed)
+    hops = len(fanouts)
+    dst, edges, src = [0.0] * hops, [0.0] * hops, [0.0] * hops
+    seeds_total = 0
+    for i in range(batches):
+        perm = train[torch.randperm(train.numel(), generator=g)[:batch]]
+        mfg = sample_mfg(perm, fanouts, DistributedNeighbors(store, None, Timings(), scratch),
+                         seed + i)
+        seeds_total += perm.numel()
+        for h, layer in enumerate(reversed(mfg.layers)):  # seed side first
+            dst[h] += layer.num_dst[0]
+            src[h] += layer.num_src[0]
+            edges[h] += sum(int(r.indices.numel()) for r in layer.rels)
+    per = [{"fanout": f, "dst": dst[h] / batches, "edges": edges[h] / batches,
+            "src": src[h] / batches} for h, f in enumerate(reversed(fanouts))]
+    return {"nodes": store.meta.num_nodes, "seeds": seeds_total / batches, "layers": per,
+            "input_nodes": per[-1]["src"],
+            "phi_seed_side_first": [p["edges"] / p["dst"] for p in per]}
+
+
+def _shape_point(n: int, args: argparse.Namespace) -> dict:
+    """Batch shape on a generated ``n``-node graph of the calibration's shape (features of
+    one dimension: they do not change the shape), sampled by DGL's NeighborSampler (uniform,
+    without replacement, destination nodes first: the MFG mfgserve's servers build) from
+    shuffled training seeds; per hop (seed side first) mean destination nodes, edges and
+    source nodes."""
+    import numpy as np
+    import torch
+
+    from common.dgl_compat import import_dgl
+    from partition.synthetic import generate
+
+    dgl = import_dgl()
+    data = generate(n, avg_degree=args.avg_degree, feat_dim=1, num_classes=47,
+                    seed=args.seed, train_frac=args.train_frac, valid_frac=0.005,
+                    progress=False)
+    g = dgl.graph((torch.from_numpy(data.src), torch.from_numpy(data.dst)), num_nodes=n)
+    train = torch.from_numpy(np.asarray(data.train, dtype=np.int64))
+    del data
+    sampler = dgl.dataloading.NeighborSampler(list(args.fanouts))
+    gen = torch.Generator().manual_seed(args.seed)
+    hops = len(args.fanouts)
+    acc = [[0.0, 0.0, 0.0] for _ in range(hops)]
+    seeds_total = 0
+    for _ in range(args.layer_batches):
+        seeds = train[torch.randperm(train.numel(), generator=gen)[:args.batch_size]]
+        _inp, _out, blocks = sampler.sample_blocks(g, seeds)
+        seeds_total += seeds.numel()
+        for h, blk in enumerate(reversed(blocks)):  # seed side first
+            acc[h][0] += blk.num_dst_nodes()
+            acc[h][1] += blk.num_edges()
+            acc[h][2] += blk.num_src_nodes()
+    nb = args.layer_batches
+    layers = [{"fanout": f, "dst": a_[0] / nb, "edges": a_[1] / nb, "src": a_[2] / nb}
+              for f, a_ in zip(reversed(args.fanouts), acc, strict=True)]
+    return {"nodes": n, "seeds": seeds_total / nb, "layers": layers,
+            "input_nodes": layers[-1]["src"]}
+
+
+def fit_neff(points: list[dict], fanouts: list[int], phis: list[float],
+             max_fill: float = 0.75) -> dict:
+    """The effective population law ``n_eff = coef * nodes ** exp`` from batch shapes at
+    several graph sizes: each point's ``n_eff`` is the one whose :func:`layer_walk` gives its
+    measured input nodes (:func:`fit_alpha`); a log-log line through the points whose batches
+    fill at most ``max_fill`` of the graph (near-saturated points say little; all points when
+    fewer than two qualify)."""
+    import numpy as np
+
+    for pt in points:
+        pt["n_eff"] = fit_alpha(pt["nodes"], pt["seeds"], fanouts, phis,
+                                pt["input_nodes"]) * pt["nodes"]
+        pt["fill"] = pt["input_nodes"] / pt["nodes"]
+    use = [pt for pt in points if pt["fill"] <= max_fill]
+    if len(use) < 2:
+        use = points
+    if len(use) == 1:
+        return {"coef": use[0]["n_eff"] / use[0]["nodes"], "exp": 1.0, "points_used": 1}
+    x = np.log([pt["nodes"] for pt in use])
+    y = np.log([pt["n_eff"] for pt in use])
+    exp, lncoef = np.polyfit(x, y, 1)
+    return {"coef": float(np.exp(lncoef)), "exp": float(exp), "points_used": len(use)}
+
+
+def _server_run(parts: Path, fanouts: list[int], batch: int, batches: int, seed: int,
+                threads: int, inflight: int, warmup: int = 2) -> dict:
+    """Real sampler servers (one per part) and this process as their client, as
+    :func:`benchmarks.server_only.measure_server` runs them, without the ring (every byte
+    through the socket, as for a trainer on another node): ``inflight`` requests outstanding
+    on part 0's server until ``batches`` replies have arrived after ``warmup``. Figures: the
+    servers' CPU seconds over the timed replies (psutil, all servers), reply bytes and input
+    nodes per batch, every server's STATS (part 0's ``remote_bytes``: what its peers sent
+    it), and the servers' polled peak memory."""
+    import psutil
+    import zmq
+
+    from benchmarks.scale_steps import ChildRssPoller
+    from benchmarks.server_only import (
+        _batches,
+        _spawn_servers,
+        _stop,
+        _train_seeds,
+        _wait_ready,
+    )
+    from common.messages import MFGReply, SampleRequest, StatsReply, StatsRequest
+    from common.rpc import RpcChannel, expect
+    from common.stats import ServerStats
+    from deploy.processes import ProcessGroup
+    from partition.layout import PartitionSetMeta
+
+    meta = PartitionSetMeta.load(parts)
+    run_dir = Path(tempfile.mkdtemp(prefix="mfgserve-capacity-srv-"))
+    group = ProcessGroup()
+    ctx = zmq.Context()
+    endpoints: list[str] = []
+    token = ""
+    ch = None
+    res: dict = {}
+    try:
+        ready, token = _spawn_servers(group, parts, meta.num_parts, run_dir,
+                                      server_workers=threads, inflight=inflight,
+                                      max_message_mb=2048, seed=seed, sampler_procs=0)
+        endpoints = _wait_ready(group, ready, 300.0)
+        procs = [psutil.Process(c.proc.pid) for c in group.children]
+
+        def cpu() -> float:
+            return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+
+        ep = endpoints[0]
+        ch = RpcChannel(ctx, ep, timeout_s=300.0, setting="--step-timeout-s",
+                        max_message_bytes=2048 << 20)
+        stream = _batches(_train_seeds(ch, ep, parts), batch, seed)
+        total = warmup + batches
+        sent = received = 0
+        in_nodes = 0
+        cpu0 = bytes0 = t0 = 0.0
+        with ChildRssPoller(0.1) as poll:
+            while sent < min(inflight, total):
+                ch.send(SampleRequest(seeds=next(stream), fanouts=list(fanouts)))
+                sent += 1
+            while received < total:
+                msg, _rid = ch.recv(waiting_for="a sampled MFG")
+                mfg = expect(msg, MFGReply, ep).mfg
+                received += 1
+                if received == warmup:
+                    cpu0, bytes0, t0 = cpu(), ch.bytes_received, time.perf_counter()
+                elif received > warmup:
+                    in_nodes += mfg.input_nodes.numel()
+                del mfg, msg
+                if sent < total:
+                    ch.send(SampleRequest(seeds=next(stream), fanouts=list(fanouts)))
+                    sent += 1
+            elapsed = time.perf_counter() - t0
+            cpu_s = cpu() - cpu0
+            nbytes = ch.bytes_received - bytes0
+        stats = []
+        for e in endpoints:
+            sc = RpcChannel(ctx, e, timeout_s=60.0, setting="stats")
+            try:
+                stats.append(ServerStats.from_wire(
+                    expect(sc.call(StatsRequest()), StatsReply, e).values).to_wire())
+            finally:
+                sc.close()
+        res = {"parts": meta.num_parts, "batches": batches, "warmup": warmup,
+               "threads": threads, "inflight": inflight, "elapsed_s": round(elapsed, 3),
+               "cpu_s": round(cpu_s, 4), "cpu_ms_per_batch": 1000 * cpu_s / batches,
+               "wall_ms_per_batch": 1000 * elapsed / batches,
+               "bytes_per_batch": nbytes / batches, "input_nodes_per_batch": in_nodes / batches,
+               "remote_bytes_per_request": stats[0].get("remote_bytes", 0.0)
+               / max(stats[0].get("sample_requests", 1.0), 1.0),
+               "stats": stats, "peak": dict(poll.peak)}
+    finally:
+        if ch is not None:
+            ch.close()
+        stop = _stop(ctx, group, endpoints, token)
+        ctx.term()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if not stop.get("clean_exit"):
+        raise RuntimeError(f"sampler servers did not exit cleanly: {stop}")
+    return res
+
+
+def _graph(n: int, args: argparse.Namespace, degree: float, raw: Path) -> dict:
+    """Generate the products-shaped graph and write it in OGB's binary layout at ``raw``."""
+    import numpy as np
+
+    from partition.rmat import write_ogb_binary
+    from partition.synthetic import generate
+
+    t0 = time.perf_counter()
+    data = generate(n, avg_degree=degree, feat_dim=args.feat_dim, num_classes=47,
+                    seed=args.seed, train_frac=args.train_frac, valid_frac=0.005,
+                    progress=False)
+    data.test = np.sort(data.test[: max(1, round(0.005 * n))])
+    write_ogb_binary(data, raw, progress=False)
+    return {"nodes": n, "directed_edges": int(data.num_edges), "avg_degree": degree,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _part_bytes(parts: Path) -> dict:
+    """Bytes per node (without features) and per directed edge of a set's part files."""
+    from partition.layout import PartitionSetMeta
+
+    meta = PartitionSetMeta.load(parts)
+    feat = edge = other = 0
+    for f in parts.glob("part-*/*.npy"):
+        size = f.stat().st_size
+        if f.stem == "feat":
+            feat += size
+        elif f.stem == "indices":
+            edge += size
+        else:
+            other += size
+    other += sum(f.stat().st_size for f in parts.glob("*.npy"))  # orig_to_new, hot_rank
+    return {"per_node_nonfeat": other / meta.num_nodes, "per_edge": edge / meta.num_edges,
+            "feat_per_node": feat / meta.num_nodes, "total": feat + edge + other}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The calibration (module docstring); ``args`` from the ``measure`` sub-parser."""
+    n = args.nodes
+    if n < 1000:
+        raise CapacityError(f"--nodes {n}: calibrate on at least 1000 nodes")
+    work = Path(tempfile.mkdtemp(prefix="mfgserve-capacity-", dir=args.work_dir or None))
+    t_start = time.perf_counter()
+    methods_cli = _partition_cli_methods()
+    methods = [m for m in args.methods if m in methods_cli]
+    skipped = [m for m in args.methods if m not in methods_cli]
+    if skipped:
+        log(f"partition-ogbn here has no --method {', '.join(skipped)} (offers "
+            f"{', '.join(sorted(methods_cli))}): not calibrated")
+    if not methods:
+        raise CapacityError(f"none of --methods {','.join(args.methods)} is offered by "
+                            f"partition-ogbn here ({', '.join(sorted(methods_cli))})")
+    deg = args.avg_degree
+    try:
+        # graphs: N at the products degree (sampling, server, 1 and 2 parts), N/2 at the
+        # same degree and N/2 at half the degree (partition cost: edges vs node bytes)
+        shapes = [("full", n, deg), ("half", n // 2, deg), ("sparse", n // 2, deg / 2)]
+        graphs = {}
+        for tag, nn, dd in shapes:
+            log(f"generating {tag}: {nn:,} nodes, avg degree {dd:.3g}")
+            graphs[tag] = _graph(nn, args, dd, work / f"raw-{tag}")
+        runs = []
+        sets = {}
+        failed = {}
+        for method in methods:
+            try:
+                for tag, _nn, _dd in shapes:
+                    for k in ((1, 2) if tag == "full" and method == methods[0] else (2,)):
+                        out = work / f"parts-{tag}-{method}-{k}"
+                        log(f"partition-ogbn {tag} -> {k} part(s), --method {method}")
+                        r = _run_partition(work / f"raw-{tag}", out, k, method,
+                                           args.max_memory_gb, args.step_timeout_s)
+                        r["graph"] = tag
+                        runs.append(r)
+                        sets[(tag, method, k)] = out
+                        log(f"  {r['wall_s']:.1f} s, peak {r['peak_rss_bytes'] / 2**20:,.0f} "
+                            f"MiB, cut {r['edge_cut_frac']:.3f}")
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                if method == methods[0]:
+                    raise
+                failed[method] = str(e)[:2000]
+                runs = [r for r in runs if r["method"] != method]
+                log(f"--method {method} failed, not calibrated: {str(e)[:400]}")
+        methods = [m for m in methods if m not in failed]
+        fit = {}
+        for method in methods:
+            rs = [r for r in runs if r["method"] == method]
+            fit[method] = {
+                "time": fit_linear([[1, 16 * r["directed_edges"]
+                                     + r["nodes"] * r["feat_dim"] * 4] for r in rs],
+                                   [r["wall_s"] for r in rs]),
+                "peak": fit_linear([[1, r["directed_edges"] / r["num_parts"], r["nodes"]]
+                                    for r in rs], [r["peak_rss_bytes"] for r in rs]),
+                "runs": len(rs),
+                "terms": {"time": "s = a + b * (16 * directed_edges + feature_bytes)",
+                          "peak": "bytes = a + b * directed_edges / parts + c * nodes"}}
+        one = sets[("full", methods[0], 1)]
+        two = sets[("full", methods[0], 2)]
+        pbytes = _part_bytes(one)
+
+        log(f"sampling {args.layer_batches} batches in-process on the partitioned graph")
+        layers = {"full": _layer_stats(one, args.fanouts, args.batch_size, args.layer_batches,
+                                       args.seed)}
+        ladder = []
+        for nn in args.shape_nodes:
+            log(f"batch shape on a {nn:,}-node graph (DGL NeighborSampler)")
+            ladder.append(_shape_point(nn, args))
+        biggest = max(ladder, key=lambda pt: pt["nodes"])
+        phis = list(reversed([h["edges"] / h["dst"] for h in biggest["layers"]]))  # input first
+        neff = fit_neff(ladder, args.fanouts, phis)
+        alpha = neff["coef"] * n ** neff["exp"] / n
+
+        # replies travel whole through the socket here: keep what is queued for this client
+        # under the server's reply backlog limit (256 MiB by default)
+        est = layers["full"]["input_nodes"] * (8 + 4 * args.feat_dim)
+        inflight = max(1, min(args.inflight, int(200e6 // max(est, 1))))
+        if inflight < args.inflight:
+            log(f"--inflight {args.inflight} lowered to {inflight}: replies of ~{est / 1e6:.0f} "
+                "MB each would overflow the server's reply backlog")
+        args.inflight = inflight
+        log(f"one server, 1 part: {args.batches} batches")
+        one_run = _server_run(one, args.fanouts, args.batch_size, args.batches, args.seed,
+                              args.server_threads, args.inflight)
+        cpu_batch_ms = one_run["cpu_ms_per_batch"]
+        st = one_run["stats"][0]
+        shares = {k: st.get(k, 0.0) for k in ("sample_s", "gather_s", "encode_s")}
+        tot = sum(shares.values()) or 1.0
+        lay = layers["full"]
+        edges_b = sum(h["edges"] for h in lay["layers"])
+        featb = lay["input_nodes"] * args.feat_dim * 4
+        walk_cal = lay["layers"]  # the measured shape of this graph's batches
+        reply_model = reply_bytes(walk_cal, lay["seeds"], args.feat_dim, 4)
+        reply_meas = one_run["bytes_per_batch"]
+        reply_overhead = reply_meas / reply_model
+        ms_edge = cpu_batch_ms * shares["sample_s"] / tot / max(edges_b, 1)
+        ms_feat = cpu_batch_ms * shares["gather_s"] / tot / max(featb, 1)
+        ms_reply = cpu_batch_ms * shares["encode_s"] / tot / max(reply_meas, 1)
+
+        log(f"two servers, 2 parts ({methods[0]}): {args.batches} batches")
+        two_run = _server_run(two, args.fanouts, args.batch_size, args.batches, args.seed,
+                              args.server_threads, args.inflight)
+        cpu2_ms = two_run["cpu_ms_per_batch"]
+        rb2 = two_run["remote_bytes_per_request"]
+        from partition.layout import PartitionSetMeta
+
+        cut2 = PartitionSetMeta.load(two).stats.get("edge_cut_frac", 0.5)
+        rb2_model = remote_bytes(walk_cal, locality(2, cut2, walk_cal), args.feat_dim, 4)
+        remote_overhead = rb2 / rb2_model if rb2_model else 1.0
+        ms_remote = max(cpu2_ms - cpu_batch_ms, 0.0) / max(rb2, 1)
+
+        inflight_work = args.inflight * (featb + reply_meas)
+        anon = one_run["peak"]["anon"]
+        fixed_anon = max(anon - args.server_threads * 4 * lay["nodes"] - inflight_work,
+                         0.0)
+        pap = DATASETS["ogbn-papers100M"]
+        ref_in = layer_walk(min(1024, pap["train_nodes"]), args.fanouts, phis,
+                            neff["coef"] * pap["nodes"] ** neff["exp"])[-1]["src"]
+        cuts = {str(r["num_parts"]): r["edge_cut_frac"] for r in runs
+                if r["graph"] == "full" and r["method"] == methods[-1] and r["num_parts"] > 1}
+        cal = {
+            "format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+            "graph": {"nodes": n, "avg_degree": deg, "feat_dim": args.feat_dim,
+                      "train_frac": args.train_frac, "generator": "partition.synthetic",
+                      "shapes": graphs},
+            "sampling": {"batch_size": args.batch_size, "fanouts": args.fanouts,
+                         "phi": phis, "neff_coef": neff["coef"], "neff_exp": neff["exp"],
+                         "neff_points_used": neff["points_used"], "alpha_at_nodes": alpha,
+                         "ladder": ladder, "layers": layers, "reply_overhead": reply_overhead,
+                         "remote_overhead": remote_overhead,
+                         "reply_bytes_measured": reply_meas, "reply_bytes_model": reply_model,
+                         "remote_bytes_measured_2parts": rb2,
+                         "remote_bytes_model_2parts": rb2_model, "edge_cut_2parts": cut2},
+            "server_cpu": {"cpu_ms_per_batch": cpu_batch_ms,
+                           "cpu_ms_per_batch_2parts": cpu2_ms,
+                           "cpu_ms_per_input_node": cpu_batch_ms / lay["input_nodes"],
+                           "stage_shares": {k: v / tot for k, v in shares.items()},
+                           "ms_per_sampled_edge": ms_edge, "ms_per_feature_byte": ms_feat,
+                           "ms_per_reply_byte": ms_reply, "ms_per_remote_byte": ms_remote,
+                           "threads": args.server_threads, "inflight": args.inflight,
+                           "batches": args.batches,
+                           "wall_ms_per_batch": one_run["wall_ms_per_batch"]},
+            "server_memory": {"peak_rss_bytes": one_run["peak"]["rss"],
+                              "peak_anon_bytes": anon,
+                              "peak_file_bytes": one_run["peak"]["file"],
+                              "stats_rss_bytes": st.get("mem_rss_bytes"),
+                              "stats_pss_bytes": st.get("mem_pss_bytes"),
+                              "fixed_anon_bytes": fixed_anon,
+                              "threads": args.server_threads, "inflight": args.inflight,
+                              "graph_bytes": pbytes["total"]},
+            "partition": {"bytes": pbytes, "runs": runs, "fit": fit,
+                          "methods_skipped": skipped, "methods_failed": failed},
+            "cut_by_parts": cuts,
+            "gpu_ref_input_nodes": ref_in,
+            "server_runs": {"one_part": one_run, "two_parts": two_run},
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return cal
+
+
+# ------------------------------------------------------------------------------ check
+
+
+# A run, flat (what ``check`` compares). ``benchmarks.scalerun``'s summary is flattened into
+# this by :func:`runs_from_scalerun`; a hand-made RUNS.json may be a list of these directly.
+RUN_KEYS = {
+    "name": "label", "nodes": "nodes of the graph", "directed_edges": "edges as stored",
+    "feat_dim": "feature size", "feat_dtype": "float32 | float16", "num_parts": "parts",
+    "method": "partitioner", "max_memory_gb": "partitioning budget",
+    "train_nodes": "training seeds (batches per epoch)", "shm_ring": "features via the ring",
+    "server_threads": "sampling threads per server",
+    "inflight": "requests in flight per server (batches held at once)",
+    # measured figures, each compared when present:
+    "partition_wall_s": "partition-ogbn wall time",
+    "partition_peak_rss_bytes": "partition-ogbn peak RSS",
+    "graph_bytes": "bytes of the partition set",
+    "input_nodes_per_batch": "input nodes per batch",
+    "bytes_per_batch": "reply bytes per batch on the trainer's socket",
+    "server_to_server_bytes_per_batch": "server-to-server bytes per batch",
+    "server_cpu_ms_per_batch": "servers' CPU ms per batch (all servers)",
+    "server_rss_bytes": "peak RSS of the largest server",
+    "server_pss_bytes": "peak PSS of the largest server",
+}
+
+
+def runs_from_scalerun(summary: dict) -> list[dict]:
+    """Flatten ``benchmarks.scalerun``'s summary (``config`` + ``scales[]`` with
+    ``partition`` and ``train``) into flat runs (:data:`RUN_KEYS`)."""
+    cfg = summary.get("config") or {}
+    runs = []
+    for sc in summary.get("scales") or []:
+        part, train = sc.get("partition") or {}, sc.get("train") or {}
+        if not part:
+            continue
+        nodes = part.get("num_nodes") or sc.get("nodes")
+        run = {"name": f"{sc.get('scale', '?')}x", "nodes": nodes,
+               "directed_edges": part.get("num_edges"), "feat_dim": cfg.get("feat_dim"),
+               "feat_dtype": cfg.get("feat_dtype") or "float32",
+               "num_parts": cfg.get("parts") or (part.get("cli") or {}).get("num_parts"),
+               "method": part.get("method") or cfg.get("method"),
+               "max_memory_gb": cfg.get("max_memory_gb"),
+               "train_nodes": round((cfg.get("train_frac") or 0) * nodes) if nodes else None,
+               "partition_wall_s": part.get("wall_s"),
+               "partition_peak_rss_bytes": part.get("peak_rss_bytes"),
+               "graph_bytes": part.get("parts_bytes")}
+        if train:
+            batches = train.get("batches") or 0
+            s2s = train.get("server_to_server_bytes")
+            run.update(shm_ring=bool(train.get("shm_ring")),
+                       server_threads=cfg.get("server_workers"),
+                       bytes_per_batch=train.get("bytes_per_batch"),
+                       server_to_server_bytes_per_batch=(s2s / batches
+                                                         if s2s and batches else None),
+                       server_cpu_ms_per_batch=train.get("server_cpu_ms_per_batch"),
+                       server_rss_bytes=train.get("server_rss_max_bytes"),
+                       server_pss_bytes=train.get("server_pss_max_bytes"))
+        runs.append(run)
+    return runs
+
+
+# (label, measured key, predicted value from a prediction dict)
+_CHECKS = (
+    ("partition wall s", "partition_wall_s", lambda p: p["partition"]["wall_s"]),
+    ("partition peak RSS", "partition_peak_rss_bytes",
+     lambda p: p["partition"]["peak_rss_bytes"]),
+    ("partition set bytes", "graph_bytes", lambda p: p["graph_bytes"]),
+    ("input nodes / batch", "input_nodes_per_batch", lambda p: p["batch"]["input_nodes"]),
+    ("socket bytes / batch", "bytes_per_batch", lambda p: p["batch"]["reply_bytes"]),
+    ("server-server bytes / batch", "server_to_server_bytes_per_batch",
+     lambda p: p["batch"]["remote_bytes"]),
+    ("server CPU ms / batch", "server_cpu_ms_per_batch", lambda p: p["batch"]["server_cpu_ms"]),
+    ("server RSS (largest)", "server_rss_bytes", lambda p: p["server_memory_bytes"]),
+    ("server PSS (largest)", "server_pss_bytes", lambda p: p["server_memory_bytes"]),
+)
+
+
+def load_runs(path: str) -> list[dict]:
+    """Flat runs from ``path``: benchmarks.scalerun's summary (its last JSON line), a list
+    of flat runs, or ``{"runs": [...]}``."""
+    p = Path(path)
+    if not p.is_file():
+        raise CapacityError(f"--runs {p} does not exist; make it with `python -m "
+                            "benchmarks.scalerun --out FILE.json`")
+    try:
+        raw = json.loads(p.read_text().strip().splitlines()[-1])
+    except (OSError, IndexError, json.JSONDecodeError) as e:
+        raise CapacityError(f"--runs {p} is not JSON ({e}); pass the file benchmarks.scalerun "
+                            "wrote") from e
+    if isinstance(raw, dict) and "scales" in raw:
+        runs = runs_from_scalerun(raw)
+    else:
+        runs = raw.get("runs") if isinstance(raw, dict) else raw
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) for r in runs):
+        raise CapacityError(f"--runs {p} holds no runs (benchmarks.scalerun's summary with "
+                            "partitioned scales, a JSON list of runs, or {\"runs\": [...]})")
+    return runs
+
+
+def check(cal: dict, runs: list[dict], *, method: str | None = None,
+          flag_pct: float = FLAG_PCT) -> list[dict]:
+    """Predicted vs measured for every figure each run carries (:data:`RUN_KEYS`)."""
+    rows = []
+    for i, run in enumerate(runs):
+        n, e, d = run.get("nodes"), run.get("directed_edges"), run.get("feat_dim")
+        if not n or e is None or not d:
+            raise CapacityError(f"run {i} ({run.get('name', '?')}) of --runs lacks nodes / "
+                                f"directed_edges / feat_dim (keys: {sorted(run)})")
+        k = int(run.get("num_parts") or 1)
+        train = run.get("train_nodes") or round(cal["graph"]["train_frac"] * n)
+        fb = 2 if str(run.get("feat_dtype") or "float32") == "float16" else 4
+        t = {"dataset": run.get("name") or f"run {i}", "nodes": int(n),
+             "directed_edges": int(e), "feat_dim": int(d), "train_nodes": max(int(train), 1),
+             "feat_bytes": fb}
+        threads = run.get("server_threads")
+        p = predict(cal, t, servers=k, trainers=1, bandwidth_gbps=10.0,
+                    method=method or run.get("method") or "fennel",
+                    max_memory_gb=run.get("max_memory_gb"),
+                    server_threads=int(threads) if threads else None,
+                    shm_ring=bool(run.get("shm_ring")), inflight=run.get("inflight"))
+        for label, key, pred in _CHECKS:
+            meas = run.get(key)
+            if not isinstance(meas, (int, float)) or isinstance(meas, bool) or meas <= 0:
+                continue
+            pv = pred(p)
+            err = 100.0 * (pv - meas) / meas
+            rows.append({"run": t["dataset"], "nodes": t["nodes"], "parts": k,
+                         "method": p["partition"]["method"], "figure": label,
+                         "predicted": pv, "measured": meas, "error_pct": round(err, 1),
+                         "flag": abs(err) > flag_pct})
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _h(v: float, unit: str = "B") -> str:
+    if unit == "B":
+        for u, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if abs(v) >= f:
+                return f"{v / f:,.2f} {u}"
+        return f"{v:,.0f} B"
+    if unit == "s":
+        return f"{v / 3600:,.2f} h" if v >= 3600 else f"{v:,.1f} s"
+    return f"{v:,.0f}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def print_prediction(preds: list[dict]) -> None:
+    rows = [("dataset", "K", "Gbit/s", "mem/server", "part. time", "part. peak",
+             "input nodes", "wire/epoch", "sampling s", "network s", "gpu s", "epoch s",
+             "binds")]
+    for p in preds:
+        ep, pa = p["epoch"], p["partition"]
+        rows.append((p["dataset"], str(p["servers"]), f"{p['bandwidth_gbps']:g}",
+                     _h(p["server_memory_bytes"]), _h(pa["wall_s"], "s"),
+                     _h(pa["peak_rss_bytes"]), _h(p["batch"]["input_nodes"], "n"),
+                     _h(ep["wire_bytes"]), f"{ep['bounds_s']['sampling_cores']:,.1f}",
+                     f"{ep['bounds_s']['network']:,.1f}", f"{ep['bounds_s']['gpu']:,.1f}",
+                     f"{ep['time_s']:,.1f}", ep["binds"]))
+    print(_table(rows), file=sys.stderr)
+    p = preds[0]
+    print(f"assumed: {p['server_cores']} sampling cores per server node, edge cut "
+          f"{p['edge_cut']:g}, partitioning by {p['partition']['method']}; GPU step "
+          f"{p['epoch']['gpu_step_ms']:.2f} ms/batch ({p['epoch']['gpu_step_source']})",
+          file=sys.stderr)
+
+
+def print_check(rows: list[dict]) -> None:
+    if not rows:
+        print("no figure of the runs could be compared", file=sys.stderr)
+        return
+    out = [("run", "nodes", "parts", "figure", "predicted", "measured", "error %", "")]
+    for r in rows:
+        out.append((str(r["run"]), f"{r['nodes']:,}", str(r["parts"]), r["figure"],
+                    f"{r['predicted']:,.4g}", f"{r['measured']:,.4g}", f"{r['error_pct']:+.1f}",
+                    "FLAG > 25%" if r["flag"] else ""))
+    print(_table(out), file=sys.stderr)
+
+
+def _ladder_text(pt: dict) -> str:
+    return f"{pt['nodes']:,} nodes: {pt['input_nodes']:,.0f} input"
+
+
+def print_calibration(cal: dict) -> None:
+    s, c, m = cal["sampling"], cal["server_cpu"], cal["server_memory"]
+    pb = cal["partition"]["bytes"]
+    print(f"calibration on {cal['graph']['nodes']:,} nodes (avg degree "
+          f"{cal['graph']['avg_degree']:.3g}, {cal['graph']['feat_dim']}-dim), fanouts "
+          f"{s['fanouts']}, batch {s['batch_size']}", file=sys.stderr)
+    lay = s["layers"]["full"]
+    print(f"  input nodes/batch {lay['input_nodes']:,.0f}; edges/dst per hop (seed side "
+          f"first) {[round(x, 2) for x in reversed(s['phi'])]}; n_eff = {s['neff_coef']:.4g} "
+          f"x nodes^{s['neff_exp']:.3f} (ladder: "
+          f"{', '.join(_ladder_text(pt) for pt in s['ladder'])})",
+          file=sys.stderr)
+    print(f"  reply bytes/batch {s['reply_bytes_measured']:,.0f} (model x"
+          f"{s['reply_overhead']:.3f}); 2-part server-to-server bytes/batch "
+          f"{s['remote_bytes_measured_2parts']:,.0f} (model x{s['remote_overhead']:.3f})",
+          file=sys.stderr)
+    print(f"  server CPU ms/batch {c['cpu_ms_per_batch']:.1f} (1 part), "
+          f"{c['cpu_ms_per_batch_2parts']:.1f} (2 parts, both servers); per input node "
+          f"{c['cpu_ms_per_input_node'] * 1000:.3f} us; shares "
+          f"{ {k: round(v, 2) for k, v in c['stage_shares'].items()} }", file=sys.stderr)
+    print(f"  server peak RSS {_h(m['peak_rss_bytes'])} (anon {_h(m['peak_anon_bytes'])}, "
+          f"fixed anon {_h(m['fixed_anon_bytes'])}); part bytes per node "
+          f"{pb['per_node_nonfeat']:.1f} + features, per edge {pb['per_edge']:.2f}",
+          file=sys.stderr)
+    for meth, f in cal["partition"]["fit"].items():
+        print(f"  partition-ogbn --method {meth}: time {f['time'][0]:.2f} s + "
+              f"{f['time'][1] * 1e9:.3f} ns per input byte (16/edge + features); peak "
+              f"{_h(f['peak'][0])} + {f['peak'][1]:.2f} B per edge of a part + "
+              f"{f['peak'][2]:.1f} B/node", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from e
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def _int_or_list(text: str) -> list[int]:
+    vals = int_list(text)
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from e
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.capacity",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("measure", help="calibrate here on a small generated graph")
+    m.add_argument("--out", required=True, help="calibration JSON to write")
+    m.add_argument("--nodes", type=int, default=200_000,
+                   help="nodes of the calibration graph (default 200000; 2 more graphs of "
+                        "half the nodes are partitioned too)")
+    m.add_argument("--avg-degree", type=float, default=PRODUCTS_AVG_DEGREE,
+                   help=f"directed edges per node (default {PRODUCTS_AVG_DEGREE:.4f}, "
+                        "ogbn-products')")
+    m.add_argument("--feat-dim", type=int, default=100)
+    m.add_argument("--train-frac", type=float, default=round(PRODUCTS_TRAIN / PRODUCTS_NODES, 5))
+    m.add_argument("--fanouts", type=_int_or_list, default=[15, 10, 5],
+                   help="input layer first (default 15,10,5)")
+    m.add_argument("--batch-size", type=int, default=1024)
+    m.add_argument("--batches", type=int, default=24,
+                   help="timed batches of each server run, after 2 untimed (default 24)")
+    m.add_argument("--layer-batches", type=int, default=8,
+                   help="batches sampled in-process for each batch shape (default 8)")
+    m.add_argument("--shape-nodes", type=_int_or_list, default=[100_000, 200_000, 400_000,
+                                                                   800_000],
+                   help="graph sizes whose batch shapes fit the effective-population law "
+                        "(default 100000,200000,400000,800000; generated with 1-dim features, "
+                        "sampled in this process)")
+    m.add_argument("--server-threads", type=int, default=2)
+    m.add_argument("--inflight", type=int, default=2,
+                   help="requests kept in flight by the measuring client (default 2; lowered "
+                        "when the replies would overflow the server's reply backlog)")
+    m.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x],
+                   default=["random", "fennel"],
+                   help="partition-ogbn methods to calibrate (default random,fennel; those "
+                        "this checkout lacks are skipped and named)")
+    m.add_argument("--max-memory-gb", type=float, default=4.0,
+                   help="--max-memory-gb for the streaming methods' runs (default 4)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--work-dir", help="where the temporary graphs go (default: system temp)")
+    m.add_argument("--step-timeout-s", type=float, default=900.0)
+
+    q = sub.add_parser("predict", help="predict for a dataset on K servers / trainers")
+    q.add_argument("--dataset", required=True,
+                   help="ogbn-products, ogbn-papers100M or custom (with --nodes --edges "
+                        "--feat-dim --train-nodes)")
+    q.add_argument("--nodes", type=int)
+    q.add_argument("--edges", type=int, help="undirected edges (stored both ways)")
+    q.add_argument("--feat-dim", type=int)
+    q.add_argument("--train-nodes", type=int)
+    q.add_argument("--feat-dtype", choices=["float32", "float16"])
+    q.add_argument("--servers", type=_int_or_list, required=True,
+                   help="server nodes K (a comma list gives one row each)")
+    q.add_argument("--trainers", type=_int_or_list,
+                   help="trainer nodes (default: the same as --servers, one per server)")
+    q.add_argument("--bandwidth-gbps", type=_float_list, required=True,
+                   help="network bandwidth per node in Gbit/s (a comma list: one row each)")
+    q.add_argument("--gpu-step-ms", type=_positive_float,
+                   help="GPU time of one training step (one batch); default: SALIENT's "
+                        "published papers100M figure scaled by input nodes (see --help of "
+                        "docs/scaling.md)")
+    q.add_argument("--server-cores", type=int, default=16,
+                   help="sampling cores per server node (default 16)")
+    q.add_argument("--server-threads", type=int,
+                   help="sampling threads per server, for its relabel scratch (default: the "
+                        "calibration's)")
+    q.add_argument("--method", default="fennel", choices=["fennel", "ldg", "random", "metis"],
+                   help="partitioner (default fennel; falls back to the calibrated one)")
+    q.add_argument("--edge-cut", type=float,
+                   help="edge-cut fraction of the partition (default: random's (K-1)/K, or "
+                        "the calibration's for the method)")
+    q.add_argument("--max-memory-gb", type=_positive_float,
+                   help="partitioning budget to check the predicted peak against")
+    q.add_argument("--batches-by-part", action="store_true",
+                   help="model batches made of one part's seeds only (today's trainers send a "
+                        "shuffled batch to the part owning most of its seeds)")
+    q.add_argument("--input-nodes", type=_positive_float,
+                   help="a measured input-node count per batch to use instead of the model's")
+    q.add_argument("--calibration", help="calibration JSON from `measure`")
+
+    c = sub.add_parser("check", help="predicted vs measured for runs made here")
+    c.add_argument("--calibration", help="calibration JSON from `measure`")
+    c.add_argument("--runs", required=True, help="runs JSON (benchmarks.scalerun --out)")
+    c.add_argument("--method", help="partitioner to predict for (default: each run's)")
+    c.add_argument("--flag-pct", type=float, default=FLAG_PCT)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args, argv)
+    except CapacityError as e:
+        print(f"benchmarks.capacity {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    cmd = command_line("benchmarks.capacity", argv)
+    if args.cmd == "measure":
+        out = Path(args.out)
+        if out.parent and not out.parent.is_dir():
+            raise CapacityError(f"--out {out}: directory {out.parent} does not exist")
+        if args.batches < 1:
+            raise CapacityError("--batches must be >= 1")
+        cal = measure(args)
+        cal["command"] = cmd
+        cal["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        cal["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+        print_calibration(cal)
+        line = json.dumps(cal)
+        out.write_text(line + "\n")
+        print(line, flush=True)
+        return 0
+    cal = load_calibration(args.calibration)
+    if args.cmd == "predict":
+        t = _target(args)
+        trainers = args.trainers or args.servers
+        if len(trainers) not in (1, len(args.servers)):
+            raise CapacityError("--trainers takes one value or as many as --servers")
+        preds = []
+        for i, k in enumerate(args.servers):
+            tr = trainers[i] if len(trainers) > 1 else (trainers[0] if args.trainers else k)
+            for bw in args.bandwidth_gbps:
+                preds.append(predict(cal, t, servers=k, trainers=tr, bandwidth_gbps=bw,
+                                     gpu_step_ms=args.gpu_step_ms,
+                                     server_cores=args.server_cores, method=args.method,
+                                     edge_cut=args.edge_cut, max_memory_gb=args.max_memory_gb,
+                                     input_nodes=args.input_nodes,
+                                     server_threads=args.server_threads,
+                                     batches_by_part=args.batches_by_part))
+        print_prediction(preds)
+        print(json.dumps({"command": cmd, "calibration": args.calibration,
+                          "predictions": preds}), flush=True)
+        return 0
+    rows = check(cal, load_runs(args.runs), method=args.method, flag_pct=args.flag_pct)
+    print_check(rows)
+    flagged = [r for r in rows if r["flag"]]
+    print(json.dumps({"command": cmd, "calibration": args.calibration, "runs": args.runs,
+                      "rows": rows, "flagged": len(flagged), "compared": len(rows)}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
