@@ -288,13 +288,16 @@ def _open_raw(cfg: PartitionConfig, dataset_dir: str | None = None):
                     root=cfg.root)
 
 
-def _check_budget(cfg: PartitionConfig, n: int, e: int, d: int, itemsize: int) -> None:
-    """--max-memory-gb against what --method needs (memplan), before any work."""
+def _check_budget(cfg: PartitionConfig, n: int, e: int, d: int, itemsize: int,
+                  paired: bool = False) -> None:
+    """--max-memory-gb against what --method needs (memplan), before any work; ``paired``:
+    the edges come in ogb's inverse pairs (the METIS path halves them)."""
     if cfg.max_memory_gb is None or not cfg.out:
         return
     from partition.memplan import check_budget
 
-    check_budget(cfg.method, n, e, d, itemsize, cfg.num_parts, cfg.max_memory_gb)
+    check_budget(cfg.method, n, e, d, itemsize, cfg.num_parts, cfg.max_memory_gb,
+                 paired=paired)
 
 
 def _source_edges(source, add_reverse_edges: bool) -> int:
@@ -410,7 +413,8 @@ def _run_dir(cfg: PartitionConfig, progress: bool, t0: float) -> dict | None:
     source = _open_raw(cfg)
     itemsize = np.dtype(source.feat_dtype).itemsize
     e = _source_edges(source, cfg.add_reverse_edges)
-    _check_budget(cfg, source.num_nodes, e, source.feat_dim, itemsize)
+    _check_budget(cfg, source.num_nodes, e, source.feat_dim, itemsize,
+                  paired=bool(source.add_inverse_edge))
     if not cfg.streaming():
         return None  # metis within the budget: in memory
     open_s = time.perf_counter() - t0

@@ -15,8 +15,8 @@ directed edges and ``d``-dim features:
   correctness.
 * **metis** (the in-memory path of :mod:`partition.partitioner`): the whole graph, its sort
   keys, DGL's symmetrised copy and METIS's own structures. Fitted to runs of this pipeline
-  (see :data:`METIS_BYTES_PER_EDGE`); roughly 44 bytes per directed edge plus the float32
-  features twice plus ~800 MiB.
+  (see :data:`METIS_BYTES_PER_EDGE`): 80 bytes per directed edge (44 when the edges come in
+  ogb's inverse pairs) plus the float32 features twice plus ~800 MiB.
 
 :func:`check_budget` raises :class:`MemoryBudgetError` (a :class:`PartitionError`, exit 2 in
 the CLI) naming the minimum and what to change. :class:`RssMonitor` polls this process's
@@ -54,16 +54,19 @@ MAX_EDGE_ROWS = 1 << 22
 MIN_SORT_BYTES = 32 * MiB
 MIN_BUCKET_BUFFER = 8 * MiB
 MAX_BUCKET_BUFFER = 256 * MiB
-# the in-memory METIS path (ogb's loader, then src + dst + sort keys + DGL's symmetrised graph
-# and METIS's CSR), fitted to two measured peaks of `partition-ogbn --method metis
-# --num-parts 4` on products-shaped graphs, 100-dim float32 features: 1.47 GiB for 300k nodes
-# / 12M directed edges (measured here, issue 12) and 7.1-7.6 GiB for 2.45M nodes / 124M
-# directed edges (issue 12's figure): ~41 bytes per directed edge, twice the float32
-# features (ogb's array and the float32 copy) and ~800 MiB of interpreter, torch and DGL.
-# The per-edge figure is rounded up to 44 (the 7.6 GiB end of the range). Node-only terms
-# (relabel maps, part ids) are absorbed in these two fits.
-METIS_BYTES_PER_EDGE = 44
-METIS_BYTES_PER_NODE = 0
+# the in-memory METIS path (ogb's loader, then src + dst + sort keys + DGL's graph, its
+# symmetrised copy and METIS's CSR), fitted to measured peaks of `partition-ogbn --method
+# metis --num-parts 4`, 100-dim float32 features, ~800 MiB of interpreter, torch and DGL and
+# twice the features (ogb's array and the float32 copy) besides the edges:
+# * edges given as (u, v), (v, u) pairs (ogb's add_inverse_edge, e.g. ogbn-products): DGL
+#   gets one edge per pair; 7.1-7.6 GiB for 2.45M nodes / 124M directed edges (issue 12's
+#   figure): ~41 bytes per directed edge, rounded up to 44;
+# * reverses appended (--add-reverse-edges, the binary layout as papers100M ships): DGL
+#   gets every directed edge and symmetrises them; measured here 1.47 GiB for 300k nodes /
+#   12M directed edges and 4.82 GiB for 1M nodes / 50M: ~72 bytes per directed edge, rounded
+#   up to 80 (the estimate is then 29% and 9% above those runs).
+METIS_BYTES_PER_EDGE = 80
+METIS_BYTES_PER_EDGE_PAIRED = 44
 METIS_BASE_BYTES = 800 * MiB
 
 
@@ -90,14 +93,17 @@ def _gb(b: float) -> str:
     return f"{b / GiB:.2f}".rstrip("0").rstrip(".") if b >= 0.01 * GiB else f"{b / GiB:.3f}"
 
 
-def min_bytes(method: str, n: int, e: int, d: int, feat_itemsize: int, num_parts: int) -> int:
-    """Smallest budget (bytes of resident memory) ``method`` can partition this graph in."""
+def min_bytes(method: str, n: int, e: int, d: int, feat_itemsize: int, num_parts: int,
+              *, paired: bool = False) -> int:
+    """Smallest budget (bytes of resident memory) ``method`` can partition this graph in.
+    ``paired``: the edges come as (u, v), (v, u) pairs (ogb's add_inverse_edge), which the
+    METIS path halves before building DGL's graph."""
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     n, e, d = int(n), int(e), int(d)
     if method == "metis":
-        return (METIS_BASE_BYTES + METIS_BYTES_PER_EDGE * e + METIS_BYTES_PER_NODE * n
-                + 2 * 4 * n * d)
+        per_edge = METIS_BYTES_PER_EDGE_PAIRED if paired else METIS_BYTES_PER_EDGE
+        return METIS_BASE_BYTES + per_edge * e + 2 * 4 * n * d
     fixed = (BASE_BYTES + STREAM_BYTES_PER_NODE * n + assign_bytes(method, n, e, num_parts)
              + EDGE_CHUNK_BYTES_PER_ROW * MIN_EDGE_ROWS + MIN_BUCKET_BUFFER + MIN_SORT_BYTES)
     feat_rows = max(1, (4 * MiB) // max(1, d * feat_itemsize))
@@ -136,13 +142,13 @@ def stream_plan(method: str, n: int, e: int, d: int, feat_itemsize: int, num_par
 
 
 def check_budget(method: str, n: int, e: int, d: int, feat_itemsize: int, num_parts: int,
-                 max_memory_gb: float | None) -> int | None:
+                 max_memory_gb: float | None, *, paired: bool = False) -> int | None:
     """Raise :class:`MemoryBudgetError` when ``max_memory_gb`` is below :func:`min_bytes`;
     return the budget in bytes (None without a budget)."""
     if max_memory_gb is None:
         return None
     budget = int(float(max_memory_gb) * GiB)
-    need = min_bytes(method, n, e, d, feat_itemsize, num_parts)
+    need = min_bytes(method, n, e, d, feat_itemsize, num_parts, paired=paired)
     if budget >= need:
         return budget
     what = (f"{n:,} nodes, {e:,} directed edges, {d}-dim features, {num_parts} part(s)")
