@@ -21,6 +21,13 @@ subprocess: ``partition-ogbn --dataset synthetic --raw-out RAW``, see
    timings, sampler_server/sample_worker.py) and ``server_to_server_requests`` (peer
    requests), each also per epoch; server RSS / PSS / CPU as in :mod:`benchmarks.scalerun`.
 
+Size matters: every batch's input nodes are gathered by the server owning its seeds, so
+server-to-server bytes ~ remote fraction of the input nodes x feature bytes. On a graph the
+3-hop neighbourhood of one batch nearly covers (100,000 nodes at products' degree, fanouts
+15,10,5, batch 1024: measured 258 / 257 / 261 MB per epoch for METIS / Fennel / random with
+17 % / 20 % / 75 % edge cut) every method sends the same; run it at products scale (millions
+of nodes) to see what the cut buys.
+
 Output: progress and a table on stderr; the LAST stdout line is one JSON object::
 
     {"machine", "config", "command", "wall_s",
@@ -29,7 +36,8 @@ Output: progress and a table on stderr; the LAST stdout line is one JSON object:
                               "train": {...as scalerun's, plus
                                         "server_to_server_bytes_per_epoch",
                                         "server_to_server_requests_per_epoch",
-                                        "bytes_received_per_epoch"} | null}},
+                                        "bytes_received_per_epoch"  # training batches
+                                        } | null}},
      "comparison": {"baseline": "<first method that ran>",
                     "<method>": {"edge_cut_frac", "edge_cut_vs_baseline",
                                  "s2s_bytes_per_epoch", "s2s_bytes_vs_baseline",
@@ -87,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 def per_epoch(train: dict) -> None:
     """Add the per-epoch traffic figures to a ``train`` entry."""
     e = train.get("epochs_done") or 1
-    for k in ("server_to_server_bytes", "server_to_server_requests", "bytes_received"):
+    for k in ("server_to_server_bytes", "server_to_server_requests"):
         v = train.get(k)
         train[f"{k}_per_epoch"] = round(v / e) if v is not None else None
+    v = train.get("train_bytes_received")  # training batches only (metrics.jsonl)
+    train["bytes_received_per_epoch"] = round(v / e) if v is not None else None
 
 
 def compare(methods: dict[str, dict]) -> dict:
@@ -160,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     config = config_of(args, (
         "nodes", "methods", "epochs", "avg_degree", "feat_dim", "num_classes", "train_frac",
         "valid_frac", "labeled_frac", "feat_dtype", "parts", "max_memory_gb", "batch_size",
-        "fanouts", "eval_seeds", "server_workers", "presample_batches", "seed", "poll_s",
-        "step_timeout_s", "train_timeout_s"))
+        "fanouts", "eval_seeds", "server_workers", "no_shm_ring", "presample_batches", "seed",
+        "poll_s", "step_timeout_s", "train_timeout_s"))
     config["methods"] = methods
     errors: dict[str, str] = {}
     results: dict[str, dict] = {m: {"partition": None, "train": None} for m in methods}

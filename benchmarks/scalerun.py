@@ -26,6 +26,17 @@ this process polls with psutil every ``--poll-s`` seconds:
    ``memory_full_info``, summed over each server's process tree: its sampler processes
    included) are polled; ``startup_s`` is worker-mode's time from spawning the servers to
    every one answering a ping. PARTS is deleted after this step (unless ``--keep``).
+   The trainer takes the features through worker-mode's shared-memory ring (``shm_ring`` in
+   the entry says so), so ``bytes_per_batch`` is the reply without them; with
+   ``--no-shm-ring`` every reply carries them on the socket, as from a server on another
+   machine.
+   ``--eval-every 0`` (valid / test once, after training) and no checkpoints.
+
+``benchmarks.capacity check --runs FILE`` reads this summary as it is (its
+``runs_from_scalerun`` flattens each scale: ``partition.wall_s``, ``partition.peak_rss_bytes``,
+``partition.parts_bytes``, ``train.bytes_per_batch``, ``train.server_to_server_bytes`` /
+``train.batches``, ``train.server_cpu_ms_per_batch``, ``train.server_rss_max_bytes``,
+``train.server_pss_max_bytes``): keep these names.
 
 Output: progress (children's stderr, prefixed) and tables on stderr; the LAST stdout line is
 one JSON object::
@@ -41,7 +52,10 @@ one JSON object::
                      "peak_rss_polled_bytes",      # psutil poll of its process tree (sum)
                      "raw_bytes", "raw_format", "exit_code", "cli": {its JSON line}},
         "partition": {"wall_s", "peak_rss_bytes", "peak_rss_polled_bytes",
-                      "max_memory_bytes", "within_budget",   # polled and own peak < budget
+                      "peak_rss_polled_single_bytes",        # largest single process
+                      "max_memory_bytes",                    # the budget asked for
+                      "max_memory_applied",                  # false: no --max-memory-gb here
+                      "within_budget",                       # polled and own peak < budget
                       "num_nodes", "num_edges",              # directed edges as stored
                       "edge_cut", "edge_cut_frac", "node_balance", "edge_balance",
                       "train_balance", "load_s", "partition_s", "total_s", "method",
@@ -52,8 +66,12 @@ one JSON object::
             "seeds_per_s", "train_s", "batches", "batches_per_s", "epochs_done",
             "test_acc", "valid_acc", "final_loss",
             "bytes_received",                      # every reply the trainer received
+            "train_bytes_received",                # ... for training batches (metrics.jsonl)
             "eval_batches",                        # evaluation batches after training
-            "bytes_per_batch",                     # bytes_received / (batches + eval_batches)
+            "bytes_per_batch",                     # train_bytes_received / batches
+            "bytes_per_batch_source",              # (else bytes_received / all batches)
+            "epochs": [{"epoch", "epoch_s", "seeds_per_s", "bytes_received", "loss",
+                        "valid_acc", "test_acc"}],   # metrics.jsonl, one per epoch
             "server_to_server_bytes", "server_to_server_requests",  # training batches only
             "server_to_server_bytes_per_batch",
             "stages_s": {...the trainer summary's}, "stage_ms_per_batch": {...per batch},
@@ -102,6 +120,7 @@ PRODUCTS_AVG_DEGREE = 2 * PRODUCTS_EDGES / PRODUCTS_NODES  # directed edges per 
 PRODUCTS_TRAIN_FRAC = round(196_615 / PRODUCTS_NODES, 4)  # 0.0803
 PRODUCTS_VALID_FRAC = round(39_323 / PRODUCTS_NODES, 4)  # 0.0161
 SPLITS = ("train", "valid", "test")
+BACKLOG_MB_WITHOUT_RING = 4096
 log = logger("scalerun")
 
 
@@ -534,16 +553,41 @@ def worker_argv(args: argparse.Namespace, parts: Path, run_dir: Path, work: Path
             "--run-dir", str(run_dir), "--work-dir", str(work), "--no-progress",
             "--startup-timeout-s", repr(float(args.startup_timeout_s)),
             "--checkpoint-every", "0", "--eval-every", "0",
-            "--shm-ring" if args.shm_ring else "--no-shm-ring"]
+            "--no-shm-ring" if args.no_shm_ring else "--shm-ring"]
+    if args.no_shm_ring:
+        # a reply then carries the batch's features (~140 MB at 500k nodes, fanouts
+        # 15,10,5): the default 256 MiB backlog per client drops the second one in flight
+        argv += ["--server-max-peer-backlog-mb", str(BACKLOG_MB_WITHOUT_RING)]
     if args.server_workers:
         argv += ["--server-num-workers", str(args.server_workers)]
     return argv
 
 
-def train_figures(summary: dict, poll: TreePoller, wall: float, eval_batches: int = 0) -> dict:
+def read_epochs(run_dir: Path) -> list[dict]:
+    """The trainer's metrics.jsonl records (one per epoch), the figures kept compact."""
+    out = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for ln in lines:
+        try:
+            r = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and "epoch" in r:
+            out.append({k: r.get(k) for k in ("epoch", "epoch_s", "seeds_per_s",
+                                               "bytes_received", "loss", "valid_acc",
+                                               "test_acc")})
+    return out
+
+
+def train_figures(summary: dict, poll: TreePoller, wall: float, eval_batches: int = 0,
+                  epochs: list[dict] | None = None) -> dict:
     """The ``train`` entry from worker-mode's summary and the poller's server figures;
     ``eval_batches``: the evaluation batches the trainer sent after training (they share the
-    servers' CPU time measured from the trainer's start)."""
+    servers' CPU time measured from the trainer's start); ``epochs``: metrics.jsonl's
+    records, whose ``bytes_received`` count the training batches alone."""
     epochs_done = summary.get("epochs_done") or summary.get("epochs") or 1
     batches = (summary.get("batches_per_epoch_per_trainer") or 0) * epochs_done * \
         (summary.get("num_trainers") or 1)
@@ -553,13 +597,21 @@ def train_figures(summary: dict, poll: TreePoller, wall: float, eval_batches: in
         "valid_acc", "final_loss", "epochs_done", "batches_per_epoch_per_trainer",
         "num_trainers", "num_parts", "bytes_received", "server_to_server_bytes",
         "server_to_server_requests", "stages_s", "shm_ring", "device", "teardown")}
-    # bytes_received counts every reply, the evaluation batches' too; the training stages
-    # and server_to_server_* count the training batches only
+    # the summary's bytes_received counts every reply, the evaluation batches' too; the
+    # epochs' records (and the stages, server_to_server_*) the training batches alone
     requests = batches + eval_batches
+    epoch_bytes = [e["bytes_received"] for e in epochs or [] if e.get("bytes_received")]
+    train_bytes = sum(epoch_bytes) if len(epoch_bytes) == epochs_done else None
+    if train_bytes is not None and batches:
+        per_batch = round(train_bytes / batches)
+    else:
+        per_batch = round(summary.get("bytes_received", 0) / requests) if requests else None
     res.update(wall_s=round(wall, 2), exit_code=0, batches=batches,
                batches_per_s=round(batches / train_s, 3) if train_s else None,
-               bytes_per_batch=round(summary.get("bytes_received", 0) / requests)
-               if requests else None,
+               train_bytes_received=train_bytes, bytes_per_batch=per_batch,
+               bytes_per_batch_source="metrics.jsonl training batches"
+               if train_bytes is not None else "summary bytes_received / (batches + eval)",
+               epochs=epochs or [],
                server_to_server_bytes_per_batch=round(
                    summary.get("server_to_server_bytes", 0) / batches) if batches else None)
     res["stage_ms_per_batch"] = ({k.removesuffix("_s"): round(1000 * v / batches, 3)
@@ -595,7 +647,7 @@ def step_train(args: argparse.Namespace, parts: Path, work: Path, *, epochs: int
                                     servers=True)
     eval_bs = 1024  # the trainer's --eval-batch-size default
     eval_batches = sum(-(-view["splits"][sp] // eval_bs) for sp in ("valid", "test"))
-    res = train_figures(summary, poll, wall, eval_batches)
+    res = train_figures(summary, poll, wall, eval_batches, read_epochs(run_dir))
     res["parts_bytes"] = dir_bytes(parts)
     res["view"] = view
     return res
@@ -645,10 +697,12 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-seeds", type=int, default=10000,
                    help="valid and test seeds evaluated after training, each (default 10000; "
                         "0: the whole splits)")
-    p.add_argument("--shm-ring", action="store_true",
-                   help="let the trainer take features through its shared-memory ring (off: "
-                        "every reply carries them on the socket, as from a server on another "
-                        "machine, so bytes_per_batch is the wire figure)")
+    p.add_argument("--no-shm-ring", action="store_true",
+                   help="no shared-memory ring: every reply carries its features on the "
+                        "socket, as from a server on another machine (bytes_per_batch is then "
+                        "the whole reply; the servers' --max-peer-backlog-mb is raised to "
+                        f"{BACKLOG_MB_WITHOUT_RING}). Default: worker-mode's ring, features "
+                        "written into shared memory, bytes_per_batch without them")
     p.add_argument("--server-workers", type=int, default=0,
                    help="sampling threads per server (0: worker-mode's default)")
     p.add_argument("--seed", type=int, default=0, help="generator / partition / training seed")
@@ -882,9 +936,12 @@ def main(argv: list[str] | None = None) -> int:
         "scales", "base_nodes", "avg_degree", "feat_dim", "num_classes", "train_frac",
         "valid_frac", "labeled_frac", "feat_dtype", "parts", "method", "max_memory_gb",
         "train_scales", "train_batches", "batch_size", "fanouts", "eval_seeds",
-        "server_workers", "presample_batches", "seed", "poll_s", "step_timeout_s",
-        "train_timeout_s"))
+        "server_workers", "no_shm_ring", "presample_batches", "seed", "poll_s",
+        "step_timeout_s", "train_timeout_s"))
     train_scales = set(args.train_scales or [max(args.scales)])
+    if not train_scales <= set(args.scales):
+        parser.error(f"--train-scales {sorted(train_scales)} must be among --scales "
+                     f"{args.scales}")
     config["train_scales"] = sorted(train_scales)
     errors: dict[str, str] = {}
     scales: list[dict] = []

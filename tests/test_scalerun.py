@@ -39,6 +39,9 @@ def _check_train(t: dict, parts: int) -> None:
                 "server_pss_sum_bytes", "trainer_peak_rss_bytes", "parts_bytes"):
         assert t[key] > 0, key
     assert t["batches"] >= 1 and t["batches_per_s"] > 0
+    assert len(t["epochs"]) == t["epochs_done"] and t["train_bytes_received"] > 0
+    assert t["bytes_per_batch_source"].startswith("metrics.jsonl")
+    assert t["server_cpu_ms_per_batch"] > 0 and t["eval_batches"] >= 2
     assert 0 <= t["test_acc"] <= 1
     assert t["server_to_server_bytes"] >= 0 and t["server_to_server_requests"] >= 0
     assert {"server_sample_s", "server_gather_s", "forward_backward_s"} <= t["stages_s"].keys()
@@ -117,6 +120,7 @@ def test_partcompare_small(tmp_path):
         _check_train(t, parts=2)
         assert t["epochs_done"] == 1
         assert t["server_to_server_bytes_per_epoch"] == t["server_to_server_bytes"]
+        assert 0 < t["bytes_received_per_epoch"] <= t["bytes_received"]
         # every method is evaluated on the same (capped) seeds
         assert t["view"]["splits"]["valid"] == t["view"]["splits"]["test"] == 300
     c = s["comparison"]
