@@ -168,7 +168,8 @@ def test_check_flags_runs_off_by_more_than_25_percent(tmp_path):
                            "partition": {"num_nodes": t["nodes"],
                                          "num_edges": t["directed_edges"],
                                          "wall_s": p["partition"]["wall_s"],
-                                         "peak_rss_bytes": p["partition"]["peak_rss_bytes"] * 2,
+                                         "peak_rss_polled_bytes":
+                                             p["partition"]["peak_rss_bytes"] * 2,
                                          "parts_bytes": p["graph_bytes"], "method": "fennel"},
                            "train": None}]}
     runs = tmp_path / "runs.json"
@@ -220,7 +221,7 @@ def test_measure_tiny_graph_end_to_end(tmp_path):
     cal = cap.load_calibration(str(out))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == cal
     assert list(cal["partition"]["fit"]) == ["fennel"]
-    assert len(cal["partition"]["runs"]) == 4  # 1 and 2 parts at N, 2 parts at N/2 twice
+    assert len(cal["partition"]["runs"]) == 5  # 1, 2 and 4 parts at N; 4 parts at N/2 twice
     assert all(r["peak_rss_bytes"] > 0 and r["wall_s"] > 0 for r in cal["partition"]["runs"])
     s = cal["sampling"]
     assert s["fanouts"] == [15, 10, 5] and len(s["phi"]) == 3 and s["neff_coef"] > 0
