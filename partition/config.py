@@ -210,12 +210,6 @@ class PartitionConfig:
                               "leave it out for no limit")
         if self.stream_passes < 1:
             raise ConfigError(f"--stream-passes {self.stream_passes} must be >= 1")
-        if self.streaming() and self.halo_hops:
-            raise ConfigError(
-                f"--halo-hops {self.halo_hops} is not available in the streaming pipeline "
-                f"(--method {self.method}" + (", --max-memory-gb" if self.max_memory_gb else "")
-                + "): drop --halo-hops, or partition in memory with --method metis or random "
-                "without --max-memory-gb")
         if self.max_memory_gb is None:
             return
         if self.dataset == "rmat":

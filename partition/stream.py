@@ -31,7 +31,10 @@ features:
 or null), ``peak_rss_sampled_bytes`` (psutil poll, :class:`partition.memplan.RssMonitor`),
 ``method``, ``passes`` (edge passes of the assignment, plus the bucketing pass) and
 ``sort_sub_buckets`` (parts that did not fit the sort budget at once, summed sub-buckets).
-Halos (``halo_hops > 0``) are not streamed: use the in-memory path for them.
+Halos (``halo_hops > 0``) are found over the written parts' memory-mapped CSC with one byte
+of state per node (the same node sets as :mod:`partition.halo`), and their in-edges,
+features and labels gathered from the owners' mapped files by slices of nodes (the touched
+pages dropped after each) and written by chunks.
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
                      sort_bytes: int | None = None) -> PartitionSetMeta:
     """Partition ``source`` (a ``RawSource`` or :class:`GraphSource`) into ``num_parts``
     parts under ``out`` with bounded memory (module docstring); return the metadata.
+    ``halo_hops`` (0-3) adds halos as :func:`partition.partitioner.partition_graph` does.
 
     ``max_memory_gb``: the budget; below what ``method`` needs
     (:func:`partition.memplan.min_bytes`) it raises :class:`memplan.MemoryBudgetError`
@@ -188,12 +192,8 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
     if method not in STREAM_METHODS:
         raise PartitionError(f"unknown streaming method {method!r}; choose one of "
                              f"{', '.join(STREAM_METHODS)}")
-    if halo_hops:
-        raise PartitionError(
-            f"--halo-hops {halo_hops} is not available in the streaming pipeline "
-            "(--max-memory-gb, --method fennel/ldg): a halo needs random access to every "
-            "part's in-edges. Drop --halo-hops, or partition in memory (--method metis or "
-            "random without --max-memory-gb) where the graph fits")
+    if not isinstance(halo_hops, (int, np.integer)) or not 0 <= halo_hops <= 3:
+        raise PartitionError(f"halo_hops={halo_hops} must be 0, 1, 2 or 3")
     if not isinstance(passes, (int, np.integer)) or passes < 1:
         raise PartitionError(f"passes={passes} must be >= 1")
     n, k = int(source.num_nodes), int(num_parts)
@@ -214,6 +214,7 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
     args = _Args(source, k, method, seed, progress, add_reverse_edges, passes, plan,
                  (presample_batches, tuple(presample_fanouts), presample_batch_size), n, e, d,
                  feat_dtype, t0)
+    args.halo_hops = int(halo_hops)
     with memplan.RssMonitor() as monitor, staged_out(out, overwrite) as tmp:
         parent = Path(work_dir) if work_dir else tmp
         parent.mkdir(parents=True, exist_ok=True)
@@ -483,6 +484,106 @@ def _presample_hotness(tmp: Path, offsets: np.ndarray, n: int, train: np.ndarray
     return counts
 
 
+class _MappedPart(_MappedCSC):
+    """A written part's CSC, features and labels, memory-mapped; pages dropped on demand."""
+
+    def __init__(self, pdir: Path):
+        super().__init__(pdir)
+        self.feat = np.load(pdir / "feat.npy", mmap_mode="r")
+        self.label = np.load(pdir / "label.npy", mmap_mode="r")
+
+    def drop(self) -> None:
+        import mmap
+
+        super().drop()
+        for arr in (self.feat, self.label):
+            mm = getattr(arr, "_mmap", None)
+            if mm is not None and hasattr(mm, "madvise"):
+                try:
+                    mm.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):
+                    pass
+
+
+def _by_owner(nodes: np.ndarray, offsets: np.ndarray):
+    """(part, local ids) slices of sorted global ``nodes``, at most _SAMPLE_SLICE each."""
+    k = offsets.shape[0] - 1
+    owner = np.searchsorted(offsets, nodes, side="right") - 1
+    bounds = np.searchsorted(owner, np.arange(k + 1))
+    for q in range(k):
+        loc = nodes[bounds[q]: bounds[q + 1]] - offsets[q]
+        for s in range(0, loc.size, _SAMPLE_SLICE):
+            yield q, loc[s: s + _SAMPLE_SLICE]
+
+
+def _in_edges(part: _MappedPart, loc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(in-degrees, concatenated in-neighbours) of local nodes ``loc`` of ``part``."""
+    starts = np.asarray(part.indptr[loc])
+    deg = np.asarray(part.indptr[loc + 1]) - starts
+    pos = np.repeat(starts - np.cumsum(deg) + deg, deg) + np.arange(int(deg.sum()))
+    return deg, np.asarray(part.indices[pos])
+
+
+def _halo_nodes(p: int, parts: list[_MappedPart], offsets: np.ndarray, n: int, hops: int,
+                rows: int) -> np.ndarray:
+    """Sorted global ids of the other parts' nodes within ``hops`` in-hops of part ``p``
+    (exactly partition.halo.halo_arrays' set), found with one byte of state per node."""
+    lo, hi = int(offsets[p]), int(offsets[p + 1])
+    state = np.zeros(n, dtype=np.int8)  # 1: own, 2: halo, 3: found this hop
+    state[lo:hi] = 1
+    own = parts[p]
+    for s in range(0, own.indices.shape[0], rows):  # hop 1: the part's own in-edges
+        chunk = np.asarray(own.indices[s: s + rows])
+        state[chunk[state[chunk] == 0]] = 3
+        own.drop()
+    for _ in range(hops - 1):
+        frontier = np.flatnonzero(state == 3)
+        state[frontier] = 2
+        for q, loc in _by_owner(frontier, offsets):
+            _, nbrs = _in_edges(parts[q], loc)
+            parts[q].drop()
+            state[nbrs[state[nbrs] == 0]] = 3
+        del frontier
+    return np.flatnonzero(state >= 2)
+
+
+def _write_halo(p: int, parts: list[_MappedPart], offsets: np.ndarray, a: _Args, pdir: Path
+                ) -> tuple[int, int]:
+    """halo_*.npy of part ``p``, gathered from the owners' mapped files by slices and
+    written by chunks; returns (halo nodes, halo edges)."""
+    halo = _halo_nodes(p, parts, offsets, a.n, a.halo_hops, max(1 << 16, a.plan.edge_rows))
+    layout.save_array(pdir / "halo_nodes.npy", halo)
+    h = int(halo.shape[0])
+    indptr = np.zeros(h + 1, dtype=np.int64)
+    i = 0
+    for q, loc in _by_owner(halo, offsets):
+        starts = np.asarray(parts[q].indptr[loc])
+        indptr[i + 1: i + 1 + loc.size] = np.asarray(parts[q].indptr[loc + 1]) - starts
+        parts[q].drop()
+        i += loc.size
+    np.cumsum(indptr, out=indptr)
+    layout.save_array(pdir / "halo_indptr.npy", indptr)
+    edges = int(indptr[-1])
+    del indptr
+    writers = [NpyWriter(pdir / "halo_indices.npy", (edges,), np.int64),
+               NpyWriter(pdir / "halo_feat.npy", (h, a.d), a.feat_dtype),
+               NpyWriter(pdir / "halo_label.npy", (h,), np.int64)]
+    try:
+        for q, loc in _by_owner(halo, offsets):
+            src = parts[q]
+            writers[0].write(_in_edges(src, loc)[1])
+            writers[1].write(np.asarray(src.feat[loc]).reshape(loc.size, a.d))
+            writers[2].write(np.asarray(src.label[loc]))
+            src.drop()
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return h, edges
+
+
 def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
                monitor: memplan.RssMonitor) -> PartitionSetMeta:
     n, k, e = a.n, a.k, a.e
@@ -506,6 +607,13 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
         layout.save_array(tmp / f"part-{p}" / "orig_ids.npy",
                           new_to_orig[offsets[p]: offsets[p + 1]])
     del new_to_orig
+    halos = [(0, 0)] * k
+    if a.halo_hops:
+        mapped = [_MappedPart(tmp / f"part-{p}") for p in range(k)]
+        halos = [_write_halo(p, mapped, offsets, a, tmp / f"part-{p}")
+                 for p in tqdm(range(k), desc=f"write {a.halo_hops}-hop halos",
+                               file=sys.stderr, disable=not a.progress)]
+        del mapped
     splits = a.source.splits()  # 6.
     infos = []
     splits_new = {}
@@ -525,7 +633,8 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
             nums[s] = int(j - i)
         infos.append(PartInfo(id=p, dir=f"part-{p}", num_nodes=hi - lo,
                               num_edges=int(part_edges[p]), num_train=nums["train"],
-                              num_valid=nums["valid"], num_test=nums["test"]))
+                              num_valid=nums["valid"], num_test=nums["test"],
+                              num_halo_nodes=halos[p][0], num_halo_edges=halos[p][1]))
     layout.save_array(tmp / "orig_to_new.npy", orig_to_new)
     del orig_to_new
     hot = _presample_hotness(tmp, offsets, n, splits_new["train"], a)
@@ -547,8 +656,8 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
         "part_edges": part_edges.tolist(),
         "part_train": part_train.tolist(),
         "part_edge_cut": part_cut.tolist(),
-        "part_halo_nodes": [0] * k,
-        "part_halo_edges": [0] * k,
+        "part_halo_nodes": [h for h, _ in halos],
+        "part_halo_edges": [he for _, he in halos],
         "assign_s": round(t_assign - a.t0, 3),
         "relabel_s": round(t_relabel - t_assign, 3),
         "write_s": round(t_write - t_relabel, 3),
@@ -564,7 +673,8 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
     meta = PartitionSetMeta(
         dataset=a.source.name, num_parts=k, num_nodes=n, num_edges=e, feat_dim=a.d,
         num_classes=int(a.source.num_classes), node_offsets=offsets.tolist(), parts=infos,
-        feat_dtype=a.feat_dtype.name, method=a.method, halo_hops=0, edge_cut=edge_cut,
+        feat_dtype=a.feat_dtype.name, method=a.method, halo_hops=a.halo_hops,
+        edge_cut=edge_cut,
         seed=a.seed, set_id=layout.new_set_id(), stats=stats)
     layout.write_metadata(tmp, meta)
     return meta

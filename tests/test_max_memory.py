@@ -116,8 +116,6 @@ def test_too_small_budget_fails_before_generating(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--dataset", "synthetic", "--max-memory-gb", "4"], "needs --raw-format binary"),
     (["--dataset", "rmat", "--max-memory-gb", "4"], "does not apply to --dataset rmat"),
-    (["--dataset", "synthetic", "--method", "fennel", "--halo-hops", "1"],
-     "--halo-hops 1 is not available in the streaming pipeline"),
     (["--dataset", "synthetic", "--raw-format", "binary", "--max-memory-gb", "0"], "must be > 0"),
     (["--dataset", "synthetic", "--labeled-frac", "0.5"], "only apply to --raw-format binary"),
     (["--dataset", "synthetic", "--method", "ldg", "--stream-passes", "0"],

@@ -124,13 +124,28 @@ def test_streaming_partition_is_valid_and_balanced(graph, tmp_path, method):
         assert st["edge_cut_frac"] < 0.6, st["edge_cut_frac"]
 
 
-def test_stream_refuses_what_it_cannot_do(graph, tmp_path):
-    with pytest.raises(PartitionError, match="--halo-hops 1 is not available"):
-        partition_stream(GraphSource(graph), 2, tmp_path / "h", "random", halo_hops=1,
-                         progress=False)
+@pytest.mark.parametrize("num_parts,hops", [(2, 1), (3, 2)])
+def test_stream_halo_is_byte_identical_to_in_memory(graph, tmp_path, num_parts, hops):
+    """Halos found over the written parts' mapped CSC: the same node sets, in-edges,
+    features and labels as partition.halo's, byte for byte."""
+    a, b = tmp_path / "mem", tmp_path / "stream"
+    m1 = partition_graph(graph, num_parts, a, "random", seed=3, progress=False,
+                         presample_batches=0, halo_hops=hops)
+    m2 = partition_stream(GraphSource(graph), num_parts, b, "random", seed=3, progress=False,
+                          presample_batches=0, halo_hops=hops)
+    assert _files(a) == _files(b)
+    assert m2.halo_hops == hops and [p.num_halo_nodes for p in m2.parts] == \
+        m1.stats["part_halo_nodes"] == m2.stats["part_halo_nodes"]
+    assert all(p.num_halo_edges > 0 for p in m2.parts)
+
+
+def test_stream_refuses_metis(graph, tmp_path):
     with pytest.raises(PartitionError, match="metis partitions in memory"):
         partition_stream(GraphSource(graph), 2, tmp_path / "m", "metis", progress=False)
-    assert not (tmp_path / "h").exists() and not (tmp_path / "m").exists()
+    with pytest.raises(PartitionError, match="halo_hops=4"):
+        partition_stream(GraphSource(graph), 2, tmp_path / "h", "random", halo_hops=4,
+                         progress=False)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "h").exists()
 
 
 @pytest.fixture(scope="module")
@@ -177,19 +192,15 @@ def test_binary_nan_labels_float16_round_trip(binary_dir, tmp_path):
     _assert_balanced(meta)
 
 
-@pytest.fixture(scope="module")
-def fennel_parts(tmp_path_factory, synth_graph):
-    """conftest's synth_graph (3000 nodes) streamed into 2 fennel parts."""
-    out = tmp_path_factory.mktemp("fennel2") / "parts"
-    partition_stream(GraphSource(synth_graph), 2, out, "fennel", seed=0, progress=False,
-                     max_memory_gb=1.0)
-    return synth_graph, out
-
-
 @pytest.mark.timeout(120)
-def test_oracle_sampling_on_a_streamed_partition(server_factory, fennel_parts, tmp_path):
-    """Real servers on a streamed set: every MFG is the graph's (DGL oracle)."""
-    graph, parts = fennel_parts
+@pytest.mark.parametrize("halo", [0, 1])
+def test_oracle_sampling_on_a_streamed_partition(server_factory, synth_graph, tmp_path, halo):
+    """Real servers on a set streamed by fennel under a budget (conftest's 3000-node
+    synth_graph, 2 parts, with and without a 1-hop halo): every MFG is the graph's (DGL
+    oracle)."""
+    graph, parts = synth_graph, tmp_path / "parts"
+    partition_stream(GraphSource(graph), 2, parts, "fennel", seed=0, progress=False,
+                     max_memory_gb=1.0, halo_hops=halo)
     cluster = ClusterSpec({p: [f"ipc://{tmp_path}/o{p}.sock"] for p in range(2)})
     cluster.write(tmp_path / "cluster.yaml")
     for p, ep in cluster.all_endpoints():
