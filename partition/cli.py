@@ -454,15 +454,17 @@ def _run(cfg: PartitionConfig) -> dict:
                     result.update(_partition(cfg, data, progress, load_s, t0))
     result["total_s"] = round(time.perf_counter() - t0, 3)
     result["peak_rss_bytes"] = peak_rss_bytes()
-    result["peak_rss_sampled_bytes"] = monitor.peak
+    result["peak_rss_sampled_bytes"] = max(monitor.peak,
+                                           result.get("partition_peak_rss_sampled_bytes") or 0)
     result["max_memory_bytes"] = (None if cfg.max_memory_gb is None
                                   else int(cfg.max_memory_gb * GiB))
     if cfg.max_memory_gb is not None:
-        peak = max(result["peak_rss_bytes"], monitor.peak)
+        sampled = result["peak_rss_sampled_bytes"]
+        peak = max(result["peak_rss_bytes"], sampled)
         print(f"{PROG}: peak resident memory {_fmt_bytes(peak)} of the "
               f"{_fmt_bytes(result['max_memory_bytes'])} limit (--max-memory-gb "
               f"{cfg.max_memory_gb:g}; kernel peak {_fmt_bytes(result['peak_rss_bytes'])}, "
-              f"sampled {_fmt_bytes(monitor.peak)})", file=sys.stderr)
+              f"sampled {_fmt_bytes(sampled)})", file=sys.stderr)
     return result
 
 
