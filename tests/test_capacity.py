@@ -61,8 +61,11 @@ def test_predict_arithmetic():
         assert p["batch"]["reply_bytes"] == pytest.approx(reply, rel=1e-6)
         assert p["graph_bytes"] == pytest.approx(graph_bytes, rel=1e-9)
         # memory per server = graph bytes / K + fixed + relabel scratch + batches in flight
+        # (each: its features, its reply and what peers sent it)
+        remote = p["batch"]["remote_bytes"]
+        assert (remote == 0) == (k == 1)
         mem = (graph_bytes / k + 300e6 + 2 * 4 * n
-               + 4 * (27000 * d * 4 + reply))
+               + 4 * (27000 * d * 4 + reply + remote))
         assert p["server_memory_bytes"] == pytest.approx(mem, rel=1e-6)
         ep = p["epoch"]
         assert ep["batches"] == 100 and ep["batches_per_trainer"] == math.ceil(100 / k)
