@@ -32,6 +32,11 @@ this process polls with psutil every ``--poll-s`` seconds:
    machine.
    ``--eval-every 0`` (valid / test once, after training) and no checkpoints.
 
+Files: ``<work-dir>/scale-<scale>-<nodes>n/`` holds ``raw/`` (the generated graph),
+``parts-<method>-<parts>/`` (the set) and ``work/`` (partition-ogbn's --work-dir, the view,
+the trainer's run directory); all removed after the scale unless ``--keep``. Disk at 4x
+products: ~8 GB raw + ~8.5 GB set + the partitioner's temporary buckets.
+
 ``benchmarks.capacity check --runs FILE`` reads this summary as it is (its
 ``runs_from_scalerun`` flattens each scale: ``partition.wall_s``, ``partition.peak_rss_bytes``,
 ``partition.parts_bytes``, ``train.bytes_per_batch``, ``train.server_to_server_bytes`` /
@@ -904,6 +909,10 @@ class MachineInfo:
 def config_of(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
     cfg = {k: getattr(args, k) for k in keys}
     cfg["raw_format"] = args.raw_format if has_option("--raw-format") else "csv"
+    if "server_workers" in cfg and not cfg["server_workers"]:
+        from common.config import ServerConfig
+
+        cfg["server_workers"] = ServerConfig().num_workers  # what worker-mode's servers use
     cfg["work_dir"] = str(args.work_dir)
     cfg["partition_cli_options"] = {o: has_option(o) for o in (
         "--raw-format", "--max-memory-gb", "--labeled-frac", "--feat-dtype", "--work-dir")}

@@ -107,7 +107,7 @@ def test_partcompare_small(tmp_path):
     ``errors`` (exit 1) while the others still run."""
     proc, s = _run("benchmarks.partcompare", [
         "--nodes", "5000", "--parts", "2", "--methods", "fennel,random,nosuch", "--epochs",
-        "1", "--work-dir", str(tmp_path / "w"), *TINY], timeout=230)
+        "1", "--train-batches", "2", "--work-dir", str(tmp_path / "w"), *TINY], timeout=230)
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert list(s["errors"]) == ["nosuch:partition"], s["errors"]
     assert "exited with code 2" in s["errors"]["nosuch:partition"]
@@ -121,7 +121,8 @@ def test_partcompare_small(tmp_path):
         assert t["epochs_done"] == 1
         assert t["server_to_server_bytes_per_epoch"] == t["server_to_server_bytes"]
         assert 0 < t["bytes_received_per_epoch"] <= t["bytes_received"]
-        # every method is evaluated on the same (capped) seeds
+        # every method trains and is evaluated on the same (capped) seeds
+        assert t["view"]["splits"]["train"] == 2 * 256 and t["batches"] == 2
         assert t["view"]["splits"]["valid"] == t["view"]["splits"]["test"] == 300
     c = s["comparison"]
     assert c["baseline"] == "fennel" and c["fennel"]["edge_cut_vs_baseline"] == 1.0
