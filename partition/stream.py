@@ -201,7 +201,11 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
         raise PartitionError(f"num_parts={k} exceeds the {n} nodes of {source.name}")
     if n > 3_000_000_000:
         raise PartitionError(f"{n} nodes: edge sort keys (dst * n + src) would overflow int64")
-    e = int(source.num_directed_edges(add_reverse_edges))
+    # the exact count may need a pass over the edges (self loops are not reversed): use the
+    # headers' upper bound for the budget and for sizing, count while bucketing
+    doubled = bool(getattr(source, "add_inverse_edge", False)) or (
+        add_reverse_edges and not isinstance(source, GraphSource))
+    e = int(source.num_stored_edges) * (2 if doubled else 1)
     d = int(source.feat_dim)
     feat_dtype = np.dtype(source.feat_dtype)
     if feat_dtype.name not in layout.FEAT_DTYPES:
@@ -294,9 +298,10 @@ def _bucket_edges(a: _Args, parts: np.ndarray, orig_to_new: np.ndarray, buckets:
         bar.update(key.shape[0])
         del key, pd
     bar.close()
-    if seen != a.e:
-        raise DatasetError(f"{a.source.where}: read {seen} directed edges, expected {a.e} "
-                           "(the edge list changed while it was read?)")
+    if seen > a.e:
+        raise DatasetError(f"{a.source.where}: read {seen} directed edges, more than the "
+                           f"{a.e} its headers allow (the edge list changed while it was read?)")
+    a.e = seen  # exact from here on
     return part_cut
 
 
@@ -586,12 +591,13 @@ def _write_halo(p: int, parts: list[_MappedPart], offsets: np.ndarray, a: _Args,
 
 def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
                monitor: memplan.RssMonitor) -> PartitionSetMeta:
-    n, k, e = a.n, a.k, a.e
+    n, k = a.n, a.k
     parts = _assign(a, work)  # 1.
     t_assign = time.perf_counter()
     new_to_orig, orig_to_new, part_nodes, offsets = _relabel_nodes(parts, k, n)  # 2.
     with BucketFiles(work, k, a.plan.bucket_buffer_bytes) as buckets:  # 3.
         part_cut = _bucket_edges(a, parts, orig_to_new, buckets)
+        e = a.e
         t_relabel = time.perf_counter()
         part_edges, subs = np.zeros(k, dtype=np.int64), 0
         for p in tqdm(range(k), desc=f"sort parts for {shown}", file=sys.stderr,
