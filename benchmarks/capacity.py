@@ -690,6 +690,14 @@ def _server_run(parts: Path, fanouts: list[int], batch: int, batches: int, seed:
             elapsed = time.perf_counter() - t0
             cpu_s = cpu() - cpu0
             nbytes = ch.bytes_received - bytes0
+        peak = dict(poll.peak)
+        rss = anon = 0  # one more sample now: a short run can end before the first poll
+        for proc_ in procs:
+            mi = proc_.memory_info()
+            shared = getattr(mi, "shared", 0)
+            rss, anon = rss + mi.rss, anon + mi.rss - shared
+        peak["rss"], peak["anon"] = max(peak["rss"], rss), max(peak["anon"], anon)
+        peak["file"] = max(peak["file"], rss - anon)
         stats = []
         for e in endpoints:
             sc = RpcChannel(ctx, e, timeout_s=60.0, setting="stats")
@@ -705,7 +713,7 @@ def _server_run(parts: Path, fanouts: list[int], batch: int, batches: int, seed:
                "bytes_per_batch": nbytes / batches, "input_nodes_per_batch": in_nodes / batches,
                "remote_bytes_per_request": stats[0].get("remote_bytes", 0.0)
                / max(stats[0].get("sample_requests", 1.0), 1.0),
-               "stats": stats, "peak": dict(poll.peak)}
+               "stats": stats, "peak": peak}
     finally:
         if ch is not None:
             ch.close()
