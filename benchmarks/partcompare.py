@@ -51,7 +51,8 @@ Output: progress and a table on stderr; the LAST stdout line is one JSON object:
      "errors": {"<method>:<step>" | "generate": "message"}}
 
 Exit code 0 when every step ran, 1 when one failed (its error in ``errors``; the other
-methods still run), 2 for bad options.
+methods still run), 2 for bad options, 130 / 143 after SIGINT / SIGTERM (the running
+step stopped, the summary of what ran printed).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from benchmarks.scalerun import (
     table,
     train_rows,
 )
+from common.cli import Interrupted, raise_on_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {m: {"partition": None, "train": None} for m in methods}
     raw = root / f"raw-{args.nodes}n"
     gen = None
+    code = 0
+    raise_on_signals()
     try:
         gen = _attempt(errors, "generate", lambda: step_generate(args, args.nodes, raw))
         for m in methods if gen is not None else []:
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 _remove(parts, args.keep)
                 _remove(work, args.keep)
+    except Interrupted as e:  # the running step was stopped, its files removed
+        errors["interrupted"] = f"stopped by {e}; the methods after it did not run"
+        code = 128 + e.signum
     finally:
         _remove(raw, args.keep)
     summary = {"machine": info.result(), "config": config, "generate": gen, "methods": results,
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                "wall_s": round(time.perf_counter() - t_start, 1),
                "command": command_line("benchmarks.partcompare", argv)}
     emit_summary(summary, args.out, print_table)
-    return 1 if errors else 0
+    return code or (1 if errors else 0)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ one JSON object::
      "errors": {"<scale>:<step>": "message"}, "wall_s", "command"}
 
 Exit code 0 when every step ran, 1 when one failed (its error in ``errors``; the other
-scales still run); 2 for bad options. Every byte count is bytes, every ``*_s`` seconds.
+scales still run); 2 for bad options; 130 / 143 after SIGINT / SIGTERM (the running step's
+process tree stopped, its directories removed, the summary of what ran still printed). Every byte count is bytes, every ``*_s`` seconds.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ import numpy as np
 import psutil
 
 from benchmarks.report import REPO, command_line, emit_summary, int_list, logger, ratio
+from common.cli import Interrupted, raise_on_signals
 
 PRODUCTS_NODES = 2_449_029
 PRODUCTS_EDGES = 61_859_140  # undirected
@@ -330,6 +332,9 @@ def run_child(name: str, argv: list[str], timeout_s: float, *, poll_s: float = 0
             raise StepError(f"{name} did not finish within {timeout_s:.0f}s and was stopped "
                             "(raise --step-timeout-s / --train-timeout-s); stderr ends:\n"
                             + "\n".join(list(tail)[-8:])) from None
+        except BaseException:  # SIGINT / SIGTERM to us (Interrupted): the child goes too
+            _stop_tree(proc, grace_s=15.0)
+            raise
         finally:
             for t in readers:
                 t.join(timeout=10)
@@ -755,6 +760,8 @@ def _attempt(errors: dict[str, str], key: str, fn):
     t0 = time.perf_counter()
     try:
         res = fn()
+    except Interrupted:
+        raise
     except Exception as e:  # one failed step must not lose the others
         errors[key] = f"{type(e).__name__}: {e}"
         detail = "" if isinstance(e, StepError) else "\n" + traceback.format_exc()
@@ -954,17 +961,24 @@ def main(argv: list[str] | None = None) -> int:
     config["train_scales"] = sorted(train_scales)
     errors: dict[str, str] = {}
     scales: list[dict] = []
-    for scale in args.scales:
-        entry = {"scale": scale, "nodes": max(100, round(scale * args.base_nodes)),
-                 "generate": None, "partition": None, "train": None}
-        scales.append(entry)
-        measure_scale(args, entry, args.train_batches > 0 and scale in train_scales, errors)
+    code = 0
+    raise_on_signals()
+    try:
+        for scale in args.scales:
+            entry = {"scale": scale, "nodes": max(100, round(scale * args.base_nodes)),
+                     "generate": None, "partition": None, "train": None}
+            scales.append(entry)
+            measure_scale(args, entry, args.train_batches > 0 and scale in train_scales,
+                          errors)
+    except Interrupted as e:  # the running step was stopped, its files removed
+        errors["interrupted"] = f"stopped by {e}; the scales after it did not run"
+        code = 128 + e.signum
     summary = {"machine": info.result(), "config": config, "scales": scales,
                "growth": growth(scales), "errors": errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
                "command": command_line("benchmarks.scalerun", argv)}
     emit_summary(summary, args.out, print_table)
-    return 1 if errors else 0
+    return code or (1 if errors else 0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ measured."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,35 @@ def test_view_keeps_the_same_seeds(tmp_path, synth_graph):
     for s in ("train", "valid", "test"):
         assert np.array_equal(chosen["metis"][s], chosen["random"][s]), s
     assert set(chosen["metis"]["train"]) <= set(synth_graph.train.tolist())
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_running_step(tmp_path):
+    """SIGTERM while worker-mode runs: its servers and trainer are stopped, the directories
+    removed, the summary of what ran printed, exit code 143."""
+    work = tmp_path / "w"
+    argv = [sys.executable, "-m", "benchmarks.scalerun", "--scales", "1", "--base-nodes",
+            "3000", "--parts", "2", "--method", "random", "--train-batches", "2",
+            "--work-dir", str(work), *TINY]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        seen = []
+        for line in proc.stderr:  # wait until the servers are up
+            seen.append(line)
+            if "[train] [server p" in line:
+                break
+        else:
+            pytest.fail("worker-mode never started a server:\n" + "".join(seen[-20:]))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    s = json.loads(out.strip().splitlines()[-1])
+    assert "SIGTERM" in s["errors"]["interrupted"]
+    assert s["scales"][0]["partition"]["exit_code"] == 0 and s["scales"][0]["train"] is None
+    _no_process_using(work)
+    assert not any(work.rglob("*.npy"))
