@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     config = config_of(args, (
         "nodes", "methods", "epochs", "train_batches", "avg_degree", "feat_dim", "num_classes", "train_frac",
         "valid_frac", "labeled_frac", "feat_dtype", "parts", "max_memory_gb", "batch_size",
-        "fanouts", "eval_seeds", "server_workers", "no_shm_ring", "presample_batches", "seed",
-        "poll_s", "step_timeout_s", "train_timeout_s"))
+        "fanouts", "eval_seeds", "server_workers", "no_shm_ring", "presample_batches",
+        "stream_passes", "seed", "poll_s", "step_timeout_s", "train_timeout_s"))
     config["methods"] = methods
     errors: dict[str, str] = {}
     results: dict[str, dict] = {m: {"partition": None, "train": None} for m in methods}

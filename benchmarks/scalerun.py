@@ -434,6 +434,8 @@ def partition_argv(args: argparse.Namespace, raw: Path, out: Path, method: str,
         argv += ["--work-dir", str(work)]
     if args.presample_batches is not None:
         argv += ["--presample-batches", str(args.presample_batches)]
+    if args.stream_passes is not None and method in ("fennel", "ldg"):
+        argv += ["--stream-passes", str(args.stream_passes)]
     if not args.progress:
         argv.append("--no-progress")
     return argv
@@ -698,7 +700,10 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
                         "partition-ogbn has no --raw-format)")
     p.add_argument("--parts", type=int, default=4, help="partitions (default 4)")
     p.add_argument("--max-memory-gb", type=float, default=None,
-                   help="partition-ogbn --max-memory-gb (peak RSS budget)")
+                   help="partition-ogbn --max-memory-gb, the peak RSS budget (default "
+                        "%(default)s)")
+    p.add_argument("--stream-passes", type=int, default=None,
+                   help="partition-ogbn --stream-passes for fennel / ldg (default: its own)")
     p.add_argument("--presample-batches", type=int, default=None,
                    help="partition-ogbn --presample-batches (default: its own)")
     p.add_argument("--fanouts", type=int_list, default=[15, 10, 5],
@@ -952,8 +957,8 @@ def main(argv: list[str] | None = None) -> int:
         "scales", "base_nodes", "avg_degree", "feat_dim", "num_classes", "train_frac",
         "valid_frac", "labeled_frac", "feat_dtype", "parts", "method", "max_memory_gb",
         "train_scales", "train_batches", "batch_size", "fanouts", "eval_seeds",
-        "server_workers", "no_shm_ring", "presample_batches", "seed", "poll_s",
-        "step_timeout_s", "train_timeout_s"))
+        "server_workers", "no_shm_ring", "presample_batches", "stream_passes", "seed",
+        "poll_s", "step_timeout_s", "train_timeout_s"))
     train_scales = set(args.train_scales or [max(args.scales)])
     if not train_scales <= set(args.scales):
         parser.error(f"--train-scales {sorted(train_scales)} must be among --scales "
