@@ -325,7 +325,8 @@ def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: 
     part_cpu_s = pf["time"][0] + pf["time"][1] * work_bytes
     wall_fit = pf.get("time_wall") or pf["time"]
     part_wall_s = wall_fit[0] + wall_fit[1] * work_bytes
-    part_peak = pf["peak"][0] + pf["peak"][1] * e + pf["peak"][2] * n
+    cap_e = pf.get("edge_chunk_cap", float("inf"))
+    part_peak = pf["peak"][0] + pf["peak"][1] * min(e, cap_e) + pf["peak"][2] * e
     budget = max_memory_gb * GIB if max_memory_gb else None
     min_need = _min_budget(pm, n, e, d, fb, k)
     if min_need is not None and part_peak < min_need:
@@ -448,6 +449,16 @@ def _partition_cli_methods() -> set[str]:
         if f.name == "method":
             return set(f.metadata.get("choices") or ())
     return set()
+
+
+def _edge_chunk_cap() -> int:
+    """Directed edges in the streaming pipeline's largest edge chunk (its stored rows, each
+    with its reverse under --add-reverse-edges), from partition.memplan where it exists."""
+    try:
+        from partition.memplan import MAX_EDGE_ROWS
+    except ImportError:
+        MAX_EDGE_ROWS = 1 << 22  # noqa: N806 (the module's constant when it is missing)
+    return 2 * int(MAX_EDGE_ROWS)
 
 
 def _poll_peak_rss(proc: subprocess.Popen, timeout_s: float, interval_s: float = 0.05
@@ -797,6 +808,10 @@ def measure(args: argparse.Namespace) -> dict:
         # graphs: N at the products degree (sampling, server, 1 and 2 parts), N/2 at the
         # same degree and N/2 at half the degree (partition cost: edges vs node bytes)
         shapes = [("full", n, deg), ("half", n // 2, deg), ("sparse", n // 2, deg / 2)]
+        if args.partition_nodes and args.partition_nodes > n:
+            # one larger graph, partitioned only: the peak stops growing linearly once the
+            # pipeline's edge chunk reaches its cap (partition.memplan.MAX_EDGE_ROWS)
+            shapes.append(("large", args.partition_nodes, deg))
         graphs = {}
         for tag, nn, dd in shapes:
             log(f"generating {tag}: {nn:,} nodes, avg degree {dd:.3g}")
@@ -833,6 +848,7 @@ def measure(args: argparse.Namespace) -> dict:
             rs = [r for r in runs if r["method"] == method]
             work_bytes = [[1, 16 * r["directed_edges"] + r["nodes"] * r["feat_dim"] * 4]
                           for r in rs]
+            cap_e = _edge_chunk_cap()
             fit[method] = {
                 # CPU seconds, not wall: on a shared machine the wall time of a small run is
                 # mostly waiting for a core; the CPU time is the work itself (the pipeline
@@ -842,11 +858,13 @@ def measure(args: argparse.Namespace) -> dict:
                 # total edges, not edges per part: measured here, the peak does not move
                 # with the part count (1, 2 or 4 parts: within 3 %), but grows with the
                 # edges of the input (read through memory-mapped npz members) and the nodes
-                "peak": fit_linear([[1, r["directed_edges"], r["nodes"]] for r in rs],
-                                   [r["peak_rss_bytes"] for r in rs]),
+                "peak": fit_linear([[1, min(r["directed_edges"], cap_e), r["directed_edges"]]
+                                    for r in rs], [r["peak_rss_bytes"] for r in rs]),
+                "edge_chunk_cap": cap_e,
                 "runs": len(rs),
                 "terms": {"time": "cpu s = a + b * (16 * directed_edges + feature_bytes)",
-                          "peak": "bytes = a + b * directed_edges + c * nodes"}}
+                          "peak": "bytes = a + b * min(directed_edges, edge_chunk_cap) + c * "
+                                  "directed_edges"}}
         one = sets[("full", methods[0], 1)]
         two = sets[("full", methods[0], 2)]
         pbytes = _part_bytes(one)
@@ -1188,10 +1206,11 @@ def print_calibration(cal: dict) -> None:
           f"{pb['per_node_nonfeat']:.1f} + features, per edge {pb['per_edge']:.2f}",
           file=sys.stderr)
     for meth, f in cal["partition"]["fit"].items():
-        print(f"  partition-ogbn --method {meth}: time {f['time'][0]:.2f} s + "
+        print(f"  partition-ogbn --method {meth}: CPU {f['time'][0]:.2f} s + "
               f"{f['time'][1] * 1e9:.3f} ns per input byte (16/edge + features); peak "
-              f"{_h(f['peak'][0])} + {f['peak'][1]:.2f} B per directed edge + "
-              f"{f['peak'][2]:.1f} B/node", file=sys.stderr)
+              f"{_h(f['peak'][0])} + {f['peak'][1]:.2f} B per directed edge up to "
+              f"{f['edge_chunk_cap']:,} + {f['peak'][2]:.2f} B per directed edge",
+              file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -1245,6 +1264,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch-size", type=int, default=1024)
     m.add_argument("--batches", type=int, default=24,
                    help="timed batches of each server run, after 2 untimed (default 24)")
+    m.add_argument("--partition-nodes", type=int, default=1_000_000,
+                   help="one more graph of this many nodes, partitioned into 4 parts by each "
+                        "method (default 1000000; 0 or <= --nodes: none)")
     m.add_argument("--layer-batches", type=int, default=8,
                    help="batches sampled in-process for each batch shape (default 8)")
     m.add_argument("--shape-nodes", type=_int_or_list, default=[100_000, 200_000, 400_000,

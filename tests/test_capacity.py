@@ -30,7 +30,7 @@ def hand_calibration() -> dict:
                        "ms_per_reply_byte": 0.0, "ms_per_remote_byte": 0.0},
         "server_memory": {"fixed_anon_bytes": 300e6, "threads": 2, "inflight": 4},
         "partition": {"bytes": {"per_node_nonfeat": 40.0, "per_edge": 8.0},
-                      "fit": {m: {"time": [2.0, 1e-9], "peak": [100e6, 0.0, 300.0]}
+                      "fit": {m: {"time": [2.0, 1e-9], "peak": [100e6, 0.0, 15.0]}
                               for m in ("fennel", "random")}},
         "cut_by_parts": {},
         "gpu_ref_input_nodes": 27_000,
@@ -74,9 +74,9 @@ def test_predict_arithmetic():
                                                                  abs=0.01)
         assert ep["bounds_s"]["gpu"] == pytest.approx(math.ceil(100 / k) * 5.0 / 1000, abs=0.01)
         # partitioning: 2 s + 1 ns per input byte (16 per edge + 400 MB of features);
-        # peak 100 MB + 300 B/node
+        # peak 100 MB + 15 B per directed edge
         assert p["partition"]["wall_s"] == pytest.approx(2 + 0.32 + 0.4, abs=0.05)
-        assert p["partition"]["peak_rss_bytes"] == pytest.approx(100e6 + 300 * n, rel=1e-6)
+        assert p["partition"]["peak_rss_bytes"] == pytest.approx(100e6 + 15 * e, rel=1e-6)
     # K = 1: nothing crosses between servers; K = 2 with random assignment: some does
     assert cap.predict(cal, graph(), servers=1, trainers=1,
                        bandwidth_gbps=10)["batch"]["remote_bytes"] == 0
@@ -102,7 +102,8 @@ def test_predict_bounds_and_budget():
     assert ref["epoch"]["gpu_step_ms"] == pytest.approx(cap.GPU_REF["step_ms"], abs=0.01)
     assert "SALIENT" in ref["epoch"]["gpu_step_source"]
     # a budget below the fitted peak caps a streaming method's peak, above it does not
-    big = graph(nodes=50_000_000)  # fitted peak 15.1 GB > 12 GiB; random's minimum is ~3.7 GB
+    # fitted peak 15.1 GB > 12 GiB; random's minimum is ~3.7 GB
+    big = graph(nodes=50_000_000, directed_edges=1_000_000_000)
     low = cap.predict(cal, big, servers=4, trainers=4, bandwidth_gbps=10, max_memory_gb=12,
                       method="random")
     assert low["partition"]["peak_capped_by_budget"] is True
@@ -218,7 +219,7 @@ def test_measure_tiny_graph_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     proc = _run("measure", "--out", str(out), "--nodes", "3000", "--batches", "3",
                 "--layer-batches", "2", "--shape-nodes", "2000,3000", "--methods", "fennel",
-                "--max-memory-gb", "2",
+                "--max-memory-gb", "2", "--partition-nodes", "0",
                 "--work-dir", str(tmp_path), timeout=230)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cal = cap.load_calibration(str(out))
