@@ -63,13 +63,13 @@ DATASETS = {
 # GPU step time assumed when --gpu-step-ms is not given. SALIENT (Kaler et al., "Accelerating
 # Training and Inference of Graph Neural Networks with Fast Sampling and Pipelining", MLSys
 # 2022, https://proceedings.mlsys.org/paper/2022/hash/35f4a8d465e6e1edc05f3d8ab658c551-Abstract.html):
-# 3-layer GraphSAGE, fanouts (15,10,5), ogbn-papers100M, 2.0 s per epoch on 16 GPUs (V100),
-# an 8x parallel speedup over its single-GPU run, i.e. ~16 s per epoch on one GPU for
-# ceil(1,207,179 / 1024) = 1,179 batches of 1024 seeds: <= 13.6 ms per batch for the whole
-# pipelined step. The model scales it by the batch's predicted input nodes relative to a
+# 3-layer GraphSAGE, fanouts (15,10,5), ogbn-papers100M, 2.0 s per epoch on 16 GPUs, an 8x
+# parallel speedup over its single-GPU run, i.e. ~16 s per epoch on one GPU; assuming batches
+# of 1024 seeds (not stated in the abstract), ceil(1,207,179 / 1024) = 1,179 batches:
+# <= 13.6 ms per batch for the whole pipelined step. The model scales it by the batch's predicted input nodes relative to a
 # papers100M batch (the step's work grows with the MFG).
 GPU_REF = {"step_ms": 16.0 * 1000 / 1179, "dataset": "ogbn-papers100M", "batch_size": 1024,
-           "fanouts": [15, 10, 5], "gpu": "V100 (one of 16; single-GPU time = 8 x 2.0 s)",
+           "fanouts": [15, 10, 5], "gpu": "one of 16 GPUs (single-GPU time = 8 x 2.0 s)",
            "source": "SALIENT, Kaler et al., MLSys 2022: papers100M GraphSAGE (15,10,5) "
                      "2.0 s/epoch on 16 GPUs, 8x over 1 GPU -> ~16 s/epoch / 1,179 batches"}
 
