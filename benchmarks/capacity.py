@@ -1321,8 +1321,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-memory-gb", type=_positive_float,
                    help="partitioning budget to check the predicted peak against")
     q.add_argument("--batches-by-part", action="store_true",
-                   help="model batches made of one part's seeds only (today's trainers send a "
-                        "shuffled batch to the part owning most of its seeds)")
+                   help="model batches made of one part's seeds only (a trainer's default "
+                        "batches are shuffled over all seeds and go to the part owning most "
+                        "of them)")
     q.add_argument("--input-nodes", type=_positive_float,
                    help="a measured input-node count per batch to use instead of the model's")
     q.add_argument("--calibration", help="calibration JSON from `measure`")
