@@ -134,6 +134,13 @@ class TrainerConfig:
     eval_batch_size: int = opt(
         1024, "seeds per validation/test mini-batch (does not change the accuracy measured)")
     epochs: int = opt(10, "training epochs")
+    batch_locality: str = opt(
+        "global", "how the training batches of an epoch are formed: 'global' shuffles all "
+        "training seeds together (a batch mixes every part's seeds), 'part' shuffles each "
+        "part's seeds, makes batches of one part's seeds (as DistDGL's trainers take their "
+        "local part's seeds) and shuffles the batch order; a batch then goes to the server "
+        "owning all of its seeds, so a partitioning with a lower edge cut needs fewer "
+        "server-to-server requests", choices=["global", "part"])
     hidden: int = opt(256, "hidden size of GraphSAGE")
     dropout: float = opt(0.5, "dropout between GraphSAGE layers")
     lr: float = opt(3e-3, "Adam learning rate")

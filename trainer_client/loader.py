@@ -10,6 +10,8 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
   once per epoch and DDP ranks step in lockstep.
 * At most ``max_inflight`` requests are outstanding (credit-based prefetch); batches are
   yielded in order.
+* ``batch_locality="part"`` (training): batches are made of one part's seeds, in a shuffled
+  order (see :func:`shard_batches`); the guarantees above still hold.
 * A batch goes to a server of the part owning most of its seeds; that server samples across
   part boundaries, so the MFG does not depend on which part received it.
 * ``deterministic`` (the default): batch i of an epoch carries the sample seed
@@ -75,22 +77,40 @@ class LoaderStats:
                 "h2d_wait_s": self.h2d_wait_s, "forward_backward_s": compute_s}
 
 
+def _by_part(seeds: Tensor, offsets: Tensor, g: torch.Generator) -> Tensor:
+    """``seeds`` (already shuffled) grouped by owning part, the parts in a random order."""
+    owners = torch.searchsorted(offsets, seeds, right=True) - 1
+    part_order = torch.randperm(offsets.numel() - 1, generator=g)
+    return seeds[torch.argsort(part_order[owners], stable=True)]
+
+
 def shard_batches(seeds: Tensor, batch_size: int, rank: int, world_size: int, *,
-                  shuffle: bool, seed: int, epoch: int) -> list[Tensor]:
-    """This rank's batches for an epoch (see the module docstring for the guarantees)."""
+                  shuffle: bool, seed: int, epoch: int,
+                  part_offsets: Tensor | None = None) -> list[Tensor]:
+    """This rank's batches for an epoch (see the module docstring for the guarantees).
+
+    ``part_offsets`` (the partition set's node offsets; training only, with ``shuffle``):
+    batches of one part's seeds (``--batch-locality part``): the shuffled seeds are grouped
+    by part, the parts in a random order, split as usual, and the order of this rank's
+    batches is shuffled; only a batch that straddles two parts' groups mixes them."""
     n = seeds.numel()
     if n < world_size:
         raise ValueError(f"{n} seeds cannot be shared by {world_size} trainers; "
                          "use fewer trainers (--num-trainers) or a larger split")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     if shuffle:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         seeds = seeds[torch.randperm(n, generator=g)]
+        if part_offsets is not None:
+            seeds = _by_part(seeds, part_offsets, g)
     shard = torch.tensor_split(seeds, world_size)[rank]
     largest, smallest = math.ceil(n / world_size), n // world_size
     # Same count on every rank, and never an empty batch (a rank with an empty batch could
     # not take its DDP step): only when batch_size exceeds a tiny shard does a batch grow.
     num_batches = max(1, min(math.ceil(largest / batch_size), smallest))
-    return list(torch.tensor_split(shard, num_batches))
+    batches = list(torch.tensor_split(shard, num_batches))
+    if shuffle and part_offsets is not None:
+        batches = [batches[i] for i in torch.randperm(num_batches, generator=g).tolist()]
+    return batches
 
 
 def mfg_tensors(mfg: MFG) -> list[Tensor]:
@@ -108,7 +128,7 @@ class DistNodeDataLoader:
                  device: torch.device | str = "cpu", with_label: bool = True,
                  feat_transfer: str = "", cache: FeatureCache | None = None,
                  cache_ratio: float = 0.0, ring: ShmRing | None = None,
-                 deterministic: bool = True):
+                 deterministic: bool = True, batch_locality: str = "global"):
         self.pool = pool
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
@@ -117,6 +137,9 @@ class DistNodeDataLoader:
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed = shuffle, seed
         self.deterministic = deterministic
+        if batch_locality not in ("global", "part"):
+            raise ValueError(f"batch_locality must be 'global' or 'part', got {batch_locality!r}")
+        self.batch_locality = batch_locality
         self.max_inflight = max_inflight
         self.device = torch.device(device)
         self.with_label = with_label
@@ -134,8 +157,10 @@ class DistNodeDataLoader:
         self.epoch = epoch
 
     def _batches(self) -> list[Tensor]:
+        local = self.batch_locality == "part"
         return shard_batches(self.seeds, self.batch_size, self.rank, self.world_size,
-                             shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+                             shuffle=self.shuffle, seed=self.seed, epoch=self.epoch,
+                             part_offsets=self.offsets if local else None)
 
     def __len__(self) -> int:
         return len(self._batches())

@@ -573,7 +573,8 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
                   feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
                   ring=ring, deterministic=cfg.deterministic_sampling)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
-                               batch_size=cfg.batch_size, shuffle=True, **common)
+                               batch_size=cfg.batch_size, shuffle=True,
+                               batch_locality=cfg.batch_locality, **common)
     eval_fanouts = cfg.eval_fanouts or cfg.fanouts
     evals = {s: DistNodeDataLoader(pool, splits[s], info.node_offsets, fanouts=eval_fanouts,
                                    batch_size=cfg.eval_batch_size, shuffle=False, **common)
