@@ -107,6 +107,19 @@ class GraphSource:
         return self.data.train_mask()
 
 
+def _drop_pages(*arrays: np.ndarray) -> None:
+    """Give back the resident pages of memory-mapped ``arrays`` (they stay readable)."""
+    import mmap
+
+    for arr in arrays:
+        mm = getattr(arr, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+
 class NpyWriter:
     """A ``.npy`` file written by appended C-order chunks: header first, then the rows as
     they come (plain ``file.write``), checked to fill ``shape`` exactly at :meth:`close`."""
@@ -429,15 +442,7 @@ class _MappedCSC:
         self.indices = np.load(pdir / "indices.npy", mmap_mode="r")
 
     def drop(self) -> None:
-        import mmap
-
-        for arr in (self.indptr, self.indices):
-            mm = getattr(arr, "_mmap", None)
-            if mm is not None and hasattr(mm, "madvise"):
-                try:
-                    mm.madvise(mmap.MADV_DONTNEED)
-                except (OSError, ValueError):
-                    pass
+        _drop_pages(self.indptr, self.indices)
 
     def sample(self, loc: np.ndarray, fanout: int, rng: np.random.Generator) -> np.ndarray:
         """In-neighbours of local nodes ``loc`` (sorted): all of them where the in-degree is
@@ -498,16 +503,8 @@ class _MappedPart(_MappedCSC):
         self.label = np.load(pdir / "label.npy", mmap_mode="r")
 
     def drop(self) -> None:
-        import mmap
-
         super().drop()
-        for arr in (self.feat, self.label):
-            mm = getattr(arr, "_mmap", None)
-            if mm is not None and hasattr(mm, "madvise"):
-                try:
-                    mm.madvise(mmap.MADV_DONTNEED)
-                except (OSError, ValueError):
-                    pass
+        _drop_pages(self.feat, self.label)
 
 
 def _by_owner(nodes: np.ndarray, offsets: np.ndarray):
