@@ -104,8 +104,8 @@ def test_scalerun_small(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_partcompare_small(tmp_path):
-    """Two methods train end to end; a method partition-ogbn refuses is reported in
-    ``errors`` (exit 1) while the others still run."""
+    """Two methods train end to end under both batch localities, on the same seeds; a method
+    partition-ogbn refuses is reported in ``errors`` (exit 1) while the others still run."""
     proc, s = _run("benchmarks.partcompare", [
         "--nodes", "5000", "--parts", "2", "--methods", "fennel,random,nosuch", "--epochs",
         "1", "--train-batches", "2", "--work-dir", str(tmp_path / "w"), *TINY], timeout=230)
@@ -113,22 +113,33 @@ def test_partcompare_small(tmp_path):
     assert list(s["errors"]) == ["nosuch:partition"], s["errors"]
     assert "exited with code 2" in s["errors"]["nosuch:partition"]
     assert s["config"]["methods"] == ["fennel", "random", "nosuch"]
+    assert s["config"]["batch_locality"] == ["global", "part"]
     assert s["generate"]["exit_code"] == 0
     assert s["methods"]["nosuch"] == {"partition": None, "train": None}
     for m in ("fennel", "random"):
-        p, t = s["methods"][m]["partition"], s["methods"][m]["train"]
+        p, runs = s["methods"][m]["partition"], s["methods"][m]["train"]
         assert p["method"] == m and p["num_nodes"] == 5000 and p["peak_rss_bytes"] > 0
-        _check_train(t, parts=2)
-        assert t["epochs_done"] == 1
-        assert t["server_to_server_bytes_per_epoch"] == t["server_to_server_bytes"]
-        assert 0 < t["bytes_received_per_epoch"] <= t["bytes_received"]
-        # every method trains and is evaluated on the same (capped) seeds
-        assert t["view"]["splits"]["train"] == 2 * 256 and t["batches"] == 2
-        assert t["view"]["splits"]["valid"] == t["view"]["splits"]["test"] == 300
+        assert list(runs) == ["global", "part"]
+        for loc, t in runs.items():
+            _check_train(t, parts=2)
+            assert t["batch_locality"] == loc and t["epochs_done"] == 1
+            assert t["server_to_server_bytes_per_epoch"] == t["server_to_server_bytes"]
+            assert t["server_to_server_requests_per_batch"] is not None
+            assert 0 < t["bytes_received_per_epoch"] <= t["bytes_received"]
+            # every method and locality trains and is evaluated on the same (capped) seeds
+            assert t["view"] == runs["global"]["view"]
+            assert t["view"]["splits"]["train"] == 2 * 256
+            assert t["view"]["splits"]["valid"] == t["view"]["splits"]["test"] == 300
+        # global: 2 batches of 256; part: each part's seeds in batches of their own
+        assert runs["global"]["batches"] == 2 and 2 <= runs["part"]["batches"] <= 2 + 1
     c = s["comparison"]
     assert c["baseline"] == "fennel" and c["fennel"]["edge_cut_vs_baseline"] == 1.0
     assert c["random"]["edge_cut_frac"] > c["fennel"]["edge_cut_frac"]
-    assert c["random"]["seeds_per_s_vs_baseline"] > 0
+    for loc in ("global", "part"):
+        assert c["fennel"][loc]["s2s_bytes_per_epoch"] >= 0
+        assert c["random"][loc]["seeds_per_s_vs_baseline"] > 0
+    assert set(c["part_vs_global"]) == {"fennel", "random"}
+    assert "global: s2s MB/ep" in proc.stderr and "part: s2s MB/ep" in proc.stderr
     assert not any((tmp_path / "w").rglob("*.npy"))
 
 
