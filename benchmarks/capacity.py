@@ -12,10 +12,13 @@ Three steps (docs/scaling.md has the equations and the figures):
   and per edge (from the files); ``partition-ogbn`` wall time and peak RSS at several graph
   sizes, fitted as ``fixed + per edge + per feature byte`` for each method measured.
 * ``predict --dataset ogbn-products|ogbn-papers100M|custom --servers K --trainers K
-  --bandwidth-gbps B --calibration FILE.json``: memory per server, partitioning time and
+  --bandwidth-gbps B [--calibration FILE.json]``: memory per server, partitioning time and
   peak, bytes on the wire per epoch and the epoch time bound by sampling cores, network and
-  GPU compute, and which bound binds.
-* ``check --calibration FILE --runs RUNS.json``: predicted vs measured for runs made here
+  GPU compute, and which bound binds. Without ``--calibration`` it reads
+  ``benchmarks/calibration/default.json`` (measured on this repository's machine). The
+  partitioning peak of the streaming methods comes from the pipeline's own memory plan
+  (:func:`plan_peak`), not from a line fitted to small runs.
+* ``check [--calibration FILE] --runs RUNS.json``: predicted vs measured for runs made here
   (``benchmarks.scalerun``'s JSON), error in %, flagged beyond 25 %.
 
 Every step prints a table on stderr and one JSON object as the last stdout line. Bad input
@@ -318,31 +321,39 @@ def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: 
     work = (inflight or m["inflight"]) * (feat_bytes_batch + reply + remote)
     server_mem = graph / k + m["fixed_anon_bytes"] + scratch + work
 
-    # partitioning
+    # partitioning: time from the fit; peak from the streaming pipeline's own plan
     pm, pf = partition_fit(cal, method)
     feat_total = n * d * fb
     work_bytes = 16 * e + feat_total
     part_cpu_s = pf["time"][0] + pf["time"][1] * work_bytes
+    # wall on a node of its own: the pipeline is one thread of numpy and file I/O, so its
+    # CPU time is its wall time less I/O waits. The calibration's wall fit also carries the
+    # waits for a core of that moment on this shared machine (shown, not predicted)
     wall_fit = pf.get("time_wall") or pf["time"]
-    part_wall_s = wall_fit[0] + wall_fit[1] * work_bytes
-    cap_e = pf.get("edge_chunk_cap", float("inf"))
-    part_peak = pf["peak"][0] + pf["peak"][1] * min(e, cap_e) + pf["peak"][2] * e
+    part_wall_load_s = wall_fit[0] + wall_fit[1] * work_bytes
+    part_wall_s = part_cpu_s
     budget = max_memory_gb * GIB if max_memory_gb else None
-    min_need = _min_budget(pm, n, e, d, fb, k)
-    if min_need is not None and part_peak < min_need:
-        part_peak = float(min_need)  # never below what partition.memplan says it needs
-    capped = False
-    if budget and pm != "metis" and min_need is not None and part_peak > budget:
-        # the streaming pipeline sizes its chunks and sort buckets from the budget
-        # (partition.memplan.stream_plan: 4/5 of what its minimum leaves free)
-        part_peak, capped = min_need + 0.8 * max(budget - min_need, 0), True
+    min_need = _min_budget(method if method in _STREAM else pm, n, e, d, fb, k)
+    phases = None
+    if method in _STREAM and _memplan() is not None:
+        phases = plan_peak(method, n, e, d, fb, k, int(budget) if budget else None,
+                           *plan_params(cal))
+        part_peak = phases["peak"]
+    else:  # metis (in memory), or no partition.memplan here: the fitted line
+        cap_e = pf.get("edge_chunk_cap", float("inf"))
+        part_peak = pf["peak"][0] + pf["peak"][1] * min(e, cap_e) + pf["peak"][2] * e
+        if min_need is not None and part_peak < min_need:
+            part_peak = float(min_need)  # never below what partition.memplan says it needs
 
     # epoch
     batches = math.ceil(t["train_nodes"] / b)
     per_trainer = math.ceil(batches / trainers)
     c = cal["server_cpu"]
+    # server-to-server: each peer holding some of a hop's frontier gets a request per hop
+    requests = (k - 1) * c.get("remote_requests_per_peer", 0.0) if remote > 0 else 0.0
     cpu_ms = (c["ms_per_sampled_edge"] * edges + c["ms_per_feature_byte"] * feat_bytes_batch
-              + c["ms_per_reply_byte"] * reply + c["ms_per_remote_byte"] * remote)
+              + c["ms_per_reply_byte"] * reply + c["ms_per_remote_byte"] * remote
+              + c.get("ms_per_remote_request", 0.0) * requests)
     sampling_s = batches * cpu_ms / 1000 / (k * server_cores)
     link = bandwidth_gbps * 1e9 / 8
     server_out = batches / k * (reply + remote)  # replies to trainers + answers to peers
@@ -375,14 +386,19 @@ def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: 
                                 "relabel_scratch": round(scratch),
                                 "batches_in_flight": round(work)},
         "partition": {"method": pm, "method_asked": method,
-                      # CPU: the pipeline's work (its wall time on an idle node, plus file
-                      # I/O waits); wall: as the calibration runs met it on this machine
+                      # CPU: the pipeline's work, its wall time on a node of its own (plus
+                      # file I/O waits); wall at the calibration's load: as the calibration
+                      # runs met this shared machine
                       "cpu_s": round(part_cpu_s, 1), "wall_s": round(part_wall_s, 1),
+                      "wall_s_at_calibration_load": round(part_wall_load_s, 1),
                       "input_bytes": round(work_bytes),
                       "peak_rss_bytes": round(part_peak),
                       "max_memory_bytes": round(budget) if budget else None,
                       "fits_budget": None if budget is None else part_peak <= budget,
-                      "min_budget_bytes": min_need, "peak_capped_by_budget": capped},
+                      "min_budget_bytes": min_need,
+                      "peak_model": "plan" if phases else "fit",
+                      "peak_phases": phases["phases"] if phases else None,
+                      "peak_phase": phases["phase"] if phases else None},
         "epoch": {"batches": batches, "batches_per_trainer": per_trainer,
                   "wire_bytes": round(batches * (reply + remote)),
                   "reply_bytes": round(batches * reply),
@@ -391,6 +407,142 @@ def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: 
                   "time_s": round(bounds[binds], 2), "binds": binds,
                   "gpu_step_ms": round(gpu, 2), "gpu_step_source": gpu_source},
     }
+
+
+_STREAM = ("random", "fennel", "ldg")
+
+
+def _memplan():
+    """partition.memplan where this checkout has it (the streaming pipeline's plan)."""
+    try:
+        from partition import memplan
+    except ImportError:
+        return None
+    return memplan
+
+
+def plan_peak(method: str, n: int, e: int, d: int, fb: int, k: int,
+              budget_bytes: int | None, base_bytes: float, chunk_factor: float = 1.0) -> dict:
+    """Peak RSS of ``partition-ogbn --method {random,fennel,ldg} --max-memory-gb`` from the
+    streaming pipeline's own plan: the largest, over its phases, of ``base_bytes`` (the
+    interpreter and libraries, calibrated) + the per-node arrays live in that phase + that
+    phase's buffers, sized for this graph and budget by the pipeline's planning functions
+    (:func:`partition.memplan.stream_plan`, :func:`partition.streamassign._num_buckets`,
+    imported, not copied). ``e``: directed edges (each stored edge and its reverse).
+    ``chunk_factor`` scales memplan's bytes per edge-chunk row (its planning figure, an upper
+    bound: not every temporary it counts is alive at once); it and ``base_bytes`` are
+    calibrated on small runs (:func:`fit_plan`).
+
+    Phases (docs/scaling.md, "Partitioning peak"):
+
+    * ``assign: bucket edges`` (fennel / ldg): the assigner appends every edge key to the
+      bucket files of its source range; its write buffers (an eighth of what its budget
+      leaves beyond its node arrays) hold up to ``min(8 e, buffers)`` bytes, and a bucket
+      that fills is concatenated into one block before it is written (a second copy of one
+      bucket's buffer). Either one edge chunk's temporaries are alive beside the buffers
+      (mid-stream) or the concatenated copy (the flush).
+    * ``assign: passes``: the part array and seed mask (9 bytes per node) and one group of
+      consecutive buckets of sorted edge keys (up to half of the assigner's budget).
+    * ``bucket by part`` / ``sort parts`` / ``write rows``: the pipeline's per-node arrays
+      (``memplan.STREAM_BYTES_PER_NODE``) with one edge chunk and the part buckets' write
+      buffers, then the largest part's keys (capped by the plan's sort budget), then one
+      feature chunk and its reordered copy.
+    """
+    mp = _memplan()
+    if mp is None:
+        raise CapacityError("partition.memplan is not importable here: no plan to model")
+    n, e, d, fb, k = int(n), int(e), int(d), int(fb), max(1, int(k))
+    plan = mp.stream_plan(method, n, e, d, fb, k, budget_bytes)
+    stored = -(-e // 2)  # stored edges; each chunk of them is streamed with its reverses
+    chunk = chunk_factor * mp.EDGE_CHUNK_BYTES_PER_ROW * min(plan.edge_rows, stored)
+    key_bytes = 8 * e
+    nodes = mp.STREAM_BYTES_PER_NODE * n
+    phases = {}
+    if method == "random":
+        phases["assign: random"] = mp.RANDOM_ASSIGN_BYTES_PER_NODE * n + n
+    elif k > 1:
+        from partition import streamassign as sa
+
+        rest = int(plan.assign_budget_bytes) - sa._NODE_BYTES * n
+        group_bytes = rest // 2
+        nb = sa._num_buckets(n, e, group_bytes)
+        block = sa.auto_block_nodes(n)
+        span = sa._ceil_div(sa._ceil_div(n, nb), block) * block  # whole blocks, as it does
+        nb = sa._ceil_div(n, span)
+        per_bucket = key_bytes / nb
+        buf = max(rest // 8, 1 << 20)
+        cap_b = 8 * max(4096, buf // (8 * nb))  # one bucket's buffer, as BucketFiles sizes it
+        buffered = min(key_bytes, nb * cap_b)
+        flush_copy = min(per_bucket, cap_b)
+        phases["assign: bucket edges"] = n + buffered + max(chunk, flush_copy)
+        per_group = max(1, min(nb, int((group_bytes // 8) // max(per_bucket / 8, 1))))
+        block_tmp = sa._BLOCK_EDGE * block * e / max(n, 1)
+        phases["assign: passes"] = n + sa._NODE_BYTES * n + per_group * per_bucket + block_tmp
+    part_buf = 8 * max(4096, plan.bucket_buffer_bytes // (8 * k))
+    phases["bucket by part"] = (nodes + chunk + min(key_bytes, k * part_buf)
+                                + min(key_bytes / k, part_buf))
+    eps = 0.05
+    if method in ("fennel", "ldg"):
+        from partition.streamassign import DEFAULT_EPSILON as eps
+    part_keys = min(key_bytes / k * (1 + eps) if k > 1 else key_bytes, plan.sort_bytes)
+    phases["sort parts"] = nodes + part_keys + 2 * 8 * n / k * (1 + eps)
+    phases["write rows"] = nodes + 3 * plan.feat_rows * d * max(fb, 4)
+    phases = {name: float(base_bytes + v) for name, v in phases.items()}
+    phase = max(phases, key=phases.get)  # type: ignore[arg-type]
+    return {"peak": phases[phase], "phase": phase, "phases": phases,
+            "base_bytes": float(base_bytes), "chunk_factor": float(chunk_factor),
+            "plan": {"edge_rows": plan.edge_rows, "sort_bytes": plan.sort_bytes,
+                     "bucket_buffer_bytes": plan.bucket_buffer_bytes,
+                     "assign_budget_bytes": plan.assign_budget_bytes}}
+
+
+def _plan_runs(runs: list[dict]) -> list[dict]:
+    return [r for r in runs if r.get("method") in _STREAM and r.get("peak_rss_bytes")
+            and r.get("nodes") and r.get("directed_edges") and r.get("feat_dim")]
+
+
+def _plan_run_peak(r: dict, base: float, factor: float) -> float:
+    gb = r.get("max_memory_gb")
+    return plan_peak(r["method"], r["nodes"], r["directed_edges"], r["feat_dim"],
+                     int(r.get("feat_bytes") or 4), int(r.get("num_parts") or 1),
+                     int(gb * GIB) if gb else None, base, factor)["peak"]
+
+
+def fit_plan(runs: list[dict]) -> dict | None:
+    """The two calibrated terms of :func:`plan_peak` from partition runs made for the
+    calibration (never the runs being checked): ``chunk_factor`` on a grid of 0.2..1.2 and,
+    for each, ``base_bytes`` = the median of measured peak less the plan's figure; the pair
+    with the least squared relative error over the runs. None without streaming runs."""
+    import statistics
+
+    use = _plan_runs(runs)
+    if not use or _memplan() is None:
+        return None
+    best = None
+    for i in range(4, 25):
+        f = i / 20
+        base = statistics.median(r["peak_rss_bytes"] - _plan_run_peak(r, 0.0, f) for r in use)
+        base = max(base, 0.0)
+        errs = [(_plan_run_peak(r, base, f) - r["peak_rss_bytes"]) / r["peak_rss_bytes"]
+                for r in use]
+        obj = sum(x * x for x in errs)
+        if best is None or obj < best[0]:
+            best = (obj, f, base, errs)
+    _obj, f, base, errs = best
+    return {"base_bytes": float(base), "chunk_factor": f, "runs": len(use),
+            "max_abs_error_pct": round(100 * max(abs(x) for x in errs), 1),
+            "errors_pct": [round(100 * x, 1) for x in errs]}
+
+
+def plan_params(cal: dict) -> tuple[float, float]:
+    """(base_bytes, chunk_factor) of :func:`plan_peak`: the calibration's ``partition.plan``,
+    else fitted on its partition runs, else memplan's BASE_BYTES and its chunk figure."""
+    part = cal.get("partition") or {}
+    fitted = part.get("plan") or fit_plan(part.get("runs") or [])
+    if fitted:
+        return float(fitted["base_bytes"]), float(fitted["chunk_factor"])
+    mp = _memplan()
+    return (float(mp.BASE_BYTES) if mp is not None else 200.0 * (1 << 20)), 1.0
 
 
 def _min_budget(method: str, n: int, e: int, d: int, fb: int, k: int) -> int | None:
@@ -408,10 +560,18 @@ def _min_budget(method: str, n: int, e: int, d: int, fb: int, k: int) -> int | N
 # ------------------------------------------------------------------------------ calibration
 
 
+# measured on this machine by `python -m benchmarks.capacity measure` (its "command" and
+# "date" say how and when); predict and check read it when --calibration is not given
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration" / "default.json"
+
+
 def load_calibration(path: str | None) -> dict:
     if not path:
-        raise CapacityError("--calibration FILE.json is required; make one with "
-                            "`python -m benchmarks.capacity measure --out FILE.json`")
+        if not DEFAULT_CALIBRATION.is_file():
+            raise CapacityError(f"no --calibration given and the default {DEFAULT_CALIBRATION} "
+                                "is missing; make one with `python -m benchmarks.capacity "
+                                "measure --out FILE.json`")
+        path = str(DEFAULT_CALIBRATION)
     p = Path(path)
     if not p.is_file():
         raise CapacityError(f"--calibration {p} does not exist; make it with "
@@ -787,6 +947,37 @@ def _part_bytes(parts: Path) -> dict:
             "feat_per_node": feat / meta.num_nodes, "total": feat + edge + other}
 
 
+def _remote_requests(run: dict) -> float:
+    """Server-to-server requests per batch of a server run (part 0's STATS)."""
+    st = run["stats"][0]
+    return st.get("remote_requests", 0.0) / max(st.get("sample_requests", 1.0), 1.0)
+
+
+def fit_remote_cpu(one: dict, multi: dict, large: dict) -> dict:
+    """Servers' extra CPU per batch over a 1-part run, per server-to-server request and per
+    byte (non-negative least squares over the multi-part runs). Each K-part run's extra is
+    its CPU less its graph's 1-part CPU scaled to its input nodes."""
+    pts = []
+    for base, runs in ((one, multi), (large.get(1), {k: r for k, r in large.items() if k > 1})):
+        if not base:
+            continue
+        per_node = base["cpu_ms_per_batch"] / max(base["input_nodes_per_batch"], 1.0)
+        for k, r in runs.items():
+            extra = r["cpu_ms_per_batch"] - per_node * r["input_nodes_per_batch"]
+            pts.append({"parts": k, "nodes": r.get("nodes"), "requests": _remote_requests(r),
+                        "bytes": r["remote_bytes_per_request"], "extra_ms": extra})
+    per_peer = [p["requests"] / (p["parts"] - 1) for p in pts if p["parts"] > 1]
+    if len(pts) >= 2:
+        a, b = fit_linear([[p["requests"], p["bytes"]] for p in pts],
+                          [max(p["extra_ms"], 0.0) for p in pts])
+    else:  # one point: all of it per byte
+        a, b = 0.0, (max(pts[0]["extra_ms"], 0.0) / max(pts[0]["bytes"], 1.0) if pts else 0.0)
+    return {"ms_per_remote_request": a, "ms_per_remote_byte": b,
+            "remote_requests_per_peer": (sorted(per_peer)[len(per_peer) // 2]
+                                         if per_peer else 0.0),
+            "points": pts, "terms": "extra ms = a * requests + b * bytes (per batch)"}
+
+
 def measure(args: argparse.Namespace) -> dict:
     """The calibration (module docstring); ``args`` from the ``measure`` sub-parser."""
     n = args.nodes
@@ -825,6 +1016,8 @@ def measure(args: argparse.Namespace) -> dict:
                     ks = [4] if tag != "full" else [2, 4]
                     if tag == "full" and method == methods[0]:
                         ks = [1, 2, 4]  # the 1- and 2-part sets also serve the server runs
+                    if tag == "large" and method == methods[0]:
+                        ks = [1, 4]  # the server runs' per-remote-byte cost at scale
                     for k in ks:
                         out = work / f"parts-{tag}-{method}-{k}"
                         log(f"partition-ogbn {tag} -> {k} part(s), --method {method}")
@@ -843,9 +1036,26 @@ def measure(args: argparse.Namespace) -> dict:
                 runs = [r for r in runs if r["method"] != method]
                 log(f"--method {method} failed, not calibrated: {str(e)[:400]}")
         methods = [m for m in methods if m not in failed]
+        # the plan-based peak's calibration: the same graph at smaller budgets, where the
+        # pipeline's buffers (sized from the budget) shrink
+        plan_m = next((m for m in methods if m in ("fennel", "ldg")), methods[0])
+        for gb in args.plan_budgets:
+            out = work / f"parts-full-{plan_m}-4-{gb:g}gb"
+            log(f"partition-ogbn full -> 4 parts, --method {plan_m} --max-memory-gb {gb:g}")
+            try:
+                r = _run_partition(work / "raw-full", out, 4, plan_m, gb, args.step_timeout_s,
+                                   graphs["full"]["add_reverse_edges"])
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                log(f"  skipped: {str(e)[:300]}")
+                continue
+            r["graph"] = "full"
+            r["plan_only"] = True
+            runs.append(r)
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"  {r['wall_s']:.1f} s, peak {r['peak_rss_bytes'] / 2**20:,.0f} MiB")
         fit = {}
         for method in methods:
-            rs = [r for r in runs if r["method"] == method]
+            rs = [r for r in runs if r["method"] == method and not r.get("plan_only")]
             work_bytes = [[1, 16 * r["directed_edges"] + r["nodes"] * r["feat_dim"] * 4]
                           for r in rs]
             cap_e = _edge_chunk_cap()
@@ -926,12 +1136,19 @@ def measure(args: argparse.Namespace) -> dict:
         meas = sum(r["remote_bytes_per_request"] for r in multi.values())
         model = sum(r["remote_bytes_model"] for r in multi.values())
         remote_overhead = meas / model if model else 1.0
-        # extra CPU over the 1-part run per remote byte: least squares through the origin
-        # over the 2- and 4-part runs
-        xs = [r["remote_bytes_per_request"] for r in multi.values()]
-        ys = [max(r["cpu_ms_per_batch"] - cpu_batch_ms, 0.0) for r in multi.values()]
-        ms_remote = sum(x * y for x, y in zip(xs, ys, strict=True)) / max(
-            sum(x * x for x in xs), 1.0)
+        # the larger graph's 1- and 4-part sets: the server-to-server cost at scale (on
+        # 200k nodes the bytes per request are small and a per-request overhead inflates the
+        # cost per byte)
+        large = {}
+        if ("large", methods[0], 1) in sets and ("large", methods[0], 4) in sets:
+            for k in (1, 4):
+                log(f"{k} server(s), {k} part(s) of the {args.partition_nodes:,}-node graph: "
+                    f"{args.batches} batches")
+                large[k] = _server_run(sets[("large", methods[0], k)], args.fanouts,
+                                       args.batch_size, args.batches, args.seed,
+                                       args.server_threads, 1)
+        remote_fit = fit_remote_cpu(one_run, multi, large)
+        ms_remote = remote_fit["ms_per_remote_byte"]
 
         inflight_work = args.inflight * (featb + reply_meas)
         anon = one_run["peak"]["anon"]
@@ -962,6 +1179,9 @@ def measure(args: argparse.Namespace) -> dict:
                            "stage_shares": {k: v / tot for k, v in shares.items()},
                            "ms_per_sampled_edge": ms_edge, "ms_per_feature_byte": ms_feat,
                            "ms_per_reply_byte": ms_reply, "ms_per_remote_byte": ms_remote,
+                           "ms_per_remote_request": remote_fit["ms_per_remote_request"],
+                           "remote_requests_per_peer": remote_fit["remote_requests_per_peer"],
+                           "remote_fit": remote_fit,
                            "threads": args.server_threads, "inflight": args.inflight,
                            "batches": args.batches,
                            "wall_ms_per_batch": one_run["wall_ms_per_batch"]},
@@ -973,12 +1193,13 @@ def measure(args: argparse.Namespace) -> dict:
                               "fixed_anon_bytes": fixed_anon,
                               "threads": args.server_threads, "inflight": args.inflight,
                               "graph_bytes": pbytes["total"]},
-            "partition": {"bytes": pbytes, "runs": runs, "fit": fit,
+            "partition": {"bytes": pbytes, "runs": runs, "fit": fit, "plan": fit_plan(runs),
                           "methods_skipped": skipped, "methods_failed": failed},
             "cut_by_parts": cuts,
             "gpu_ref_input_nodes": ref_in,
             "server_runs": {"one_part": one_run,
-                            **{f"{k}_parts": r for k, r in multi.items()}},
+                            **{f"{k}_parts": r for k, r in multi.items()},
+                            **{f"large_{k}_parts": r for k, r in large.items()}},
             "wall_s": round(time.perf_counter() - t_start, 1),
         }
     finally:
@@ -1285,6 +1506,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-memory-gb", type=float, default=12.0,
                    help="partition-ogbn --max-memory-gb of the calibration runs (default 12, "
                         "the scale runs' budget)")
+    m.add_argument("--plan-budgets", type=lambda t: [float(x) for x in t.split(",") if x],
+                   default=[0.5, 1.0],
+                   help="extra --max-memory-gb budgets (GB) at which the calibration graph is "
+                        "partitioned into 4 parts, to calibrate the plan-based peak (default "
+                        "0.5,1; empty: none)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--work-dir", help="where the temporary graphs go (default: system temp)")
     m.add_argument("--step-timeout-s", type=float, default=900.0)
@@ -1326,10 +1552,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "of them)")
     q.add_argument("--input-nodes", type=_positive_float,
                    help="a measured input-node count per batch to use instead of the model's")
-    q.add_argument("--calibration", help="calibration JSON from `measure`")
+    q.add_argument("--calibration",
+                   help="calibration JSON from `measure` (default: "
+                        "benchmarks/calibration/default.json, measured on this repository's "
+                        "development machine)")
 
     c = sub.add_parser("check", help="predicted vs measured for runs made here")
-    c.add_argument("--calibration", help="calibration JSON from `measure`")
+    c.add_argument("--calibration",
+                   help="calibration JSON from `measure` (default: "
+                        "benchmarks/calibration/default.json)")
     c.add_argument("--runs", required=True, help="runs JSON (benchmarks.scalerun --out)")
     c.add_argument("--method", help="partitioner to predict for (default: each run's)")
     c.add_argument("--flag-pct", type=float, default=FLAG_PCT)
@@ -1380,13 +1611,16 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
                                      server_threads=args.server_threads,
                                      batches_by_part=args.batches_by_part))
         print_prediction(preds)
-        print(json.dumps({"command": cmd, "calibration": args.calibration,
+        print(json.dumps({"command": cmd,
+                          "calibration": args.calibration or str(DEFAULT_CALIBRATION),
                           "predictions": preds}), flush=True)
         return 0
     rows = check(cal, load_runs(args.runs), method=args.method, flag_pct=args.flag_pct)
     print_check(rows)
     flagged = [r for r in rows if r["flag"]]
-    print(json.dumps({"command": cmd, "calibration": args.calibration, "runs": args.runs,
+    print(json.dumps({"command": cmd,
+                      "calibration": args.calibration or str(DEFAULT_CALIBRATION),
+                      "runs": args.runs,
                       "rows": rows, "flagged": len(flagged), "compared": len(rows)}),
           flush=True)
     return 0

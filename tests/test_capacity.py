@@ -31,7 +31,8 @@ def hand_calibration() -> dict:
         "server_memory": {"fixed_anon_bytes": 300e6, "threads": 2, "inflight": 4},
         "partition": {"bytes": {"per_node_nonfeat": 40.0, "per_edge": 8.0},
                       "fit": {m: {"time": [2.0, 1e-9], "peak": [100e6, 0.0, 15.0]}
-                              for m in ("fennel", "random")}},
+                              for m in ("fennel", "random", "metis")},
+                      "plan": {"base_bytes": 100e6, "chunk_factor": 1.0}},
         "cut_by_parts": {},
         "gpu_ref_input_nodes": 27_000,
     }
@@ -46,6 +47,8 @@ def graph(**kw) -> dict:
 
 @pytest.mark.timeout(30)
 def test_predict_arithmetic():
+    from partition import memplan
+
     cal = hand_calibration()
     n, e, d = 1_000_000, 20_000_000, 100
     # the batch: 1000 seeds -> 3000 -> 9000 -> 27000 nodes; 2000 + 6000 + 18000 edges
@@ -74,9 +77,20 @@ def test_predict_arithmetic():
                                                                  abs=0.01)
         assert ep["bounds_s"]["gpu"] == pytest.approx(math.ceil(100 / k) * 5.0 / 1000, abs=0.01)
         # partitioning: 2 s + 1 ns per input byte (16 per edge + 400 MB of features);
-        # peak 100 MB + 15 B per directed edge
+        # peak: the streaming pipeline's plan (largest phase, 100 MB of base); metis: the
+        # fitted line, 100 MB + 15 B per directed edge
         assert p["partition"]["wall_s"] == pytest.approx(2 + 0.32 + 0.4, abs=0.05)
-        assert p["partition"]["peak_rss_bytes"] == pytest.approx(100e6 + 15 * e, rel=1e-6)
+        plan = cap.plan_peak("fennel", n, e, d, 4, k, None, 100e6, 1.0)
+        assert p["partition"]["peak_model"] == "plan"
+        assert p["partition"]["peak_rss_bytes"] == pytest.approx(plan["peak"], rel=1e-9)
+        assert plan["peak"] == max(plan["phases"].values())
+        assert min(plan["phases"].values()) > 100e6
+        metis = cap.predict(cal, graph(), servers=k, trainers=k, bandwidth_gbps=10.0,
+                            method="metis")
+        assert metis["partition"]["peak_model"] == "fit"
+        need = memplan.min_bytes("metis", n, e, d, 4, k)  # never below memplan's own figure
+        assert metis["partition"]["peak_rss_bytes"] == pytest.approx(max(100e6 + 15 * e, need),
+                                                                      rel=1e-6)
     # K = 1: nothing crosses between servers; K = 2 with random assignment: some does
     assert cap.predict(cal, graph(), servers=1, trainers=1,
                        bandwidth_gbps=10)["batch"]["remote_bytes"] == 0
@@ -101,17 +115,57 @@ def test_predict_bounds_and_budget():
     ref = cap.predict(cal, graph(), servers=1, trainers=1, bandwidth_gbps=100)
     assert ref["epoch"]["gpu_step_ms"] == pytest.approx(cap.GPU_REF["step_ms"], abs=0.01)
     assert "SALIENT" in ref["epoch"]["gpu_step_source"]
-    # a budget below the fitted peak caps a streaming method's peak, above it does not
-    # fitted peak 15.1 GB > 12 GiB; random's minimum is ~3.7 GB
+    # a streaming method's planned peak stays within the budget it plans for
     big = graph(nodes=50_000_000, directed_edges=1_000_000_000)
     low = cap.predict(cal, big, servers=4, trainers=4, bandwidth_gbps=10, max_memory_gb=12,
                       method="random")
-    assert low["partition"]["peak_capped_by_budget"] is True
+    assert low["partition"]["fits_budget"] is True
     assert low["partition"]["peak_rss_bytes"] <= 12 * GIB
     high = cap.predict(cal, graph(), servers=4, trainers=4, bandwidth_gbps=10,
                        max_memory_gb=64)
     assert high["partition"]["fits_budget"] is True
-    assert high["partition"]["peak_capped_by_budget"] is False
+
+
+@pytest.mark.timeout(30)
+def test_plan_peak_follows_the_budget():
+    """The peak is planned from partition.memplan's buffers for the budget: a smaller budget
+    never predicts a higher peak, the peak stays under the budget, and past the budget where
+    every buffer reaches its cap (or holds all the edges) it stops growing."""
+    from partition import memplan
+
+    for method in ("fennel", "ldg", "random"):
+        for n, e, k in ((2_449_029, 123_675_964, 4), (9_796_116, 494_703_858, 4),
+                        (500_000, 25_250_000, 2)):
+            need = memplan.min_bytes(method, n, e, 100, 4, k)
+            budgets = sorted({int(need * f) for f in (1.0, 1.1, 1.5, 2, 3, 5)}
+                             | {g * GIB for g in (2, 4, 8, 12, 24, 64, 256)
+                                if g * GIB >= need})
+            peaks = [cap.plan_peak(method, n, e, 100, 4, k, b, 50e6, 0.8)["peak"]
+                     for b in budgets]
+            assert all(a <= b for a, b in zip(peaks, peaks[1:])), (method, n, peaks)
+            for b, pk in zip(budgets, peaks):
+                assert pk <= b, (method, n, b, pk)
+            assert peaks[-1] == peaks[-2]  # 64 vs 256 GiB: nothing more to buy
+    # the phases that set the 1x and 4x products-scale peaks at 12 GiB (docs/scaling.md)
+    one = cap.plan_peak("fennel", 2_449_029, 123_675_964, 100, 4, 4, 12 * GIB, 0.0, 1.0)
+    four = cap.plan_peak("fennel", 9_796_116, 494_703_858, 100, 4, 4, 12 * GIB, 0.0, 1.0)
+    assert one["phase"] == "assign: bucket edges" and four["phase"] == "assign: passes"
+    # the assigner's passes hold every edge key at 4x (8 bytes per directed edge)
+    assert four["peak"] >= 8 * 494_703_858
+
+
+@pytest.mark.timeout(30)
+def test_fit_plan_recovers_its_terms():
+    """fit_plan on runs made by the plan itself (base 60 MB, chunk factor 0.7) returns them."""
+    runs = [{"method": "fennel", "nodes": n, "directed_edges": int(50.5 * n), "feat_dim": 100,
+             "num_parts": 4, "max_memory_gb": gb} for n in (100_000, 500_000, 1_000_000)
+            for gb in (1.0, 2.0, 12.0)]
+    for r in runs:
+        r["peak_rss_bytes"] = cap._plan_run_peak(r, 60e6, 0.7)
+    fit = cap.fit_plan(runs)
+    assert fit["chunk_factor"] == pytest.approx(0.7)
+    assert fit["base_bytes"] == pytest.approx(60e6, rel=1e-6)
+    assert fit["max_abs_error_pct"] < 0.1
 
 
 def _run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -139,6 +193,14 @@ def test_predict_cli_named_datasets(tmp_path):
         assert p["epoch"]["binds"] in p["epoch"]["bounds_s"]
         assert all(v > 0 for v in p["epoch"]["bounds_s"].values())
     assert "mem/server" in proc.stderr and "binds" in proc.stderr
+    # no --calibration: the committed default, measured here
+    default = _run("predict", "--dataset", "ogbn-products", "--servers", "4",
+                   "--bandwidth-gbps", "10", "--max-memory-gb", "12")
+    assert default.returncode == 0, default.stderr
+    d = json.loads(default.stdout.strip().splitlines()[-1])
+    assert d["calibration"].endswith("benchmarks/calibration/default.json")
+    assert d["predictions"][0]["partition"]["peak_model"] == "plan"
+    assert cap.load_calibration(None)["format"] == cap.CALIBRATION_FORMAT
     custom = _run("predict", "--dataset", "custom", "--nodes", "1000000", "--edges", "10000000",
                   "--feat-dim", "100", "--train-nodes", "100000", "--servers", "2",
                   "--bandwidth-gbps", "10", "--calibration", str(f))
@@ -219,13 +281,15 @@ def test_measure_tiny_graph_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     proc = _run("measure", "--out", str(out), "--nodes", "3000", "--batches", "3",
                 "--layer-batches", "2", "--shape-nodes", "2000,3000", "--methods", "fennel",
-                "--max-memory-gb", "2", "--partition-nodes", "0",
+                "--max-memory-gb", "2", "--partition-nodes", "0", "--plan-budgets", "1",
                 "--work-dir", str(tmp_path), timeout=230)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cal = cap.load_calibration(str(out))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == cal
     assert list(cal["partition"]["fit"]) == ["fennel"]
-    assert len(cal["partition"]["runs"]) == 5  # 1, 2 and 4 parts at N; 4 parts at N/2 twice
+    # 1, 2 and 4 parts at N; 4 parts at N/2 twice; 4 parts at N with a 1 GB budget
+    assert len(cal["partition"]["runs"]) == 6
+    assert cal["partition"]["plan"]["runs"] == 6 and cal["partition"]["plan"]["base_bytes"] >= 0
     assert all(r["peak_rss_bytes"] > 0 and r["wall_s"] > 0 for r in cal["partition"]["runs"])
     s = cal["sampling"]
     assert s["fanouts"] == [15, 10, 5] and len(s["phi"]) == 3 and s["neff_coef"] > 0
