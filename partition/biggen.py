@@ -425,7 +425,7 @@ def write_synthetic_binary(
     whatever the process did before) and ``generator_version``. Raises
     :class:`DatasetError` on bad arguments before writing anything.
     """
-    from partition.npzio import NpzWriter  # H1's streaming .npz writer
+    from partition.npzio import NpzWriter  # streaming .npz writer
 
     _check_args(num_nodes, avg_degree, feat_dim, num_classes, homophily, train_frac,
                 valid_frac, labeled_frac, feat_dtype, feat_noise, degree_exponent)
