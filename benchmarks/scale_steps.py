@@ -29,9 +29,10 @@ def _prep_file(parts: Path) -> Path:
 
 
 def self_peak_rss() -> int:
-    """Peak RSS of this process in bytes (Linux reports KiB, macOS bytes)."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(kb) * (1 if sys.platform == "darwin" else 1024)
+    """Peak RSS of this process in bytes (its own, not a parent's: see peak_rss_bytes)."""
+    from partition.partitioner import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def children_peak_rss() -> int:

@@ -62,7 +62,6 @@ import gzip
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -73,6 +72,7 @@ import numpy as np
 from tqdm import tqdm
 
 from partition.graph_data import DatasetError
+from partition.partitioner import peak_rss_bytes
 from partition.rmat import ogb_meta
 from partition.synthetic import (
     _CLASS_SKEW,
@@ -374,11 +374,6 @@ def _write_ids_csv(path: Path, ids: np.ndarray, rows: int = 1 << 20) -> None:
             f.write(("\n".join(map(str, ids[s: s + rows].tolist())) + "\n").encode())
 
 
-def _peak_rss_bytes() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(r if sys.platform == "darwin" else r * 1024)
-
-
 def write_synthetic_binary(
     out_dir: str | Path,
     *,
@@ -551,7 +546,7 @@ def write_synthetic_binary(
                               "features": c_feat - c_edges,
                               "labels_splits": c0 + cpu - c_feat},
         "edges_per_s": m / seconds if seconds > 0 else float("nan"),
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
         "generator_version": GENERATOR_VERSION,
     }
     return figures

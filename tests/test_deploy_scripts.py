@@ -189,6 +189,15 @@ def shim_env(tmp_path: Path, hosts: Hosts) -> dict[str, str]:
 # --------------------------------------------------------------------------- running a job
 
 
+def _terminal_signals() -> None:
+    """In the launcher's child, before exec: SIGINT and SIGQUIT at their defaults, as from a
+    terminal. A test process started in the background by a non-interactive shell inherits
+    them ignored, and bash can neither trap nor reset a signal ignored on entry, so the
+    Ctrl-C test would only measure how the suite was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class Launch:
     """A launcher process (launch.sh or the sbatch script) in its own session, its stdout and
     stderr in files, and every process it started (sampled while it runs)."""
@@ -198,7 +207,8 @@ class Launch:
         self.out, self.err = tmp_path / "launch.out", tmp_path / "launch.err"
         with open(self.out, "w") as fo, open(self.err, "w") as fe:
             self.proc = subprocess.Popen(argv, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=tmp_path, start_new_session=True)
+                                         env=env, cwd=tmp_path, start_new_session=True,
+                                         preexec_fn=_terminal_signals)
         self.seen: dict[int, float] = {}  # pid -> create time of every descendant seen
 
     def sample(self) -> list[psutil.Process]:

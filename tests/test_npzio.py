@@ -3,7 +3,7 @@
 Round trips against numpy's own ``np.savez`` / ``np.savez_compressed`` / ``np.load`` (stored
 and deflated members, float16, [2, E] edge_index read by two readers), the column-chunk
 writer, clear DatasetErrors naming the file for missing / truncated / corrupt archives,
-and -- in a fresh subprocess, measured with ``resource.getrusage`` and psutil -- that reading
+and -- in a fresh subprocess, measured with its own VmHWM and psutil -- that reading
 a stored member by chunks does not materialise it, that writing one keeps one chunk in
 memory, and that the map's pages leave the resident set again on ``release()``."""
 
@@ -246,13 +246,13 @@ def test_writer_checks_and_leaves_no_partial_file(tmp_path):
 # ------------------------------------------------------------------------------ memory
 
 _MEMORY_SCRIPT = r"""
-import json, resource, sys
+import json, sys
 import numpy as np, psutil
 from partition.npzio import NpyMemberReader, NpzWriter
 
 path, mode, rows, cols, chunk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 proc = psutil.Process()
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from partition.partitioner import peak_rss_bytes as peak  # this process's own peak
 block = np.arange(chunk * cols, dtype=np.float32).reshape(chunk, cols)
 base = peak()
 out = {}

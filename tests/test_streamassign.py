@@ -153,8 +153,9 @@ def test_symmetrize_and_input_errors(tmp_path):
 
 
 _RSS_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import numpy as np
+    from partition.partitioner import peak_rss_bytes
     from partition.streamassign import stream_assign
 
     n, C, chunks, rows = 300_000, 16, 20, 200_000   # 8M directed edges: 64 MB of keys
@@ -168,13 +169,13 @@ _RSS_SCRIPT = textwrap.dedent("""
                          rng.integers(0, n, rows))
             yield np.concatenate([u, v]), np.concatenate([v, u])
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss_bytes()
     st = {}
     mask = np.arange(n) % 5 == 0
     parts = stream_assign(edges, n, mask, 4, method="ldg", passes=2, tmp_dir=sys.argv[1],
                           budget_bytes=24 << 20, num_edges=2 * chunks * rows,
                           progress=False, stats=st)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     cut = sum(int(np.count_nonzero(parts[a] != parts[b])) for a, b in edges())
     print(json.dumps({"grew": peak - base, "edges": st["edges"], "groups": st["num_groups"],
                       "cut": cut / st["edges"], "node_balance": st["node_balance"],
@@ -192,7 +193,8 @@ def test_memory_does_not_hold_the_edges(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     key_bytes = 8 * r["edges"]
     assert r["edges"] == 8_000_000 and r["groups"] >= 3
-    # measured: ~21 MB (the budget is 24 MB; the caller's chunks add 2 x 400k x 16 B)
-    assert r["grew"] < key_bytes / 2, r
+    # the budget is 24 MB and the caller's chunks add 2 x 400k x 16 B = 12.8 MB (measured
+    # with this process's own VmHWM: ~33 MB); holding the edges would add their 64 MB of keys
+    assert r["grew"] < 0.75 * key_bytes, r
     assert r["cut"] < 0.5, r  # random would cut 3/4
     assert r["node_balance"] <= 1.05 + 1e-4 and r["train_balance"] <= 1.05 + 1e-4, r
