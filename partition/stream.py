@@ -39,6 +39,7 @@ pages dropped after each) and written by chunks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -157,6 +158,20 @@ class NpyWriter:
 
     def abort(self) -> None:
         self._f.close()
+
+
+@contextlib.contextmanager
+def _filled(writers: list[NpyWriter]) -> Iterator[list[NpyWriter]]:
+    """Close every writer when the block ends (each checks it was filled), or abort them all
+    when it raises."""
+    try:
+        yield writers
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
 
 
 class _MaskGraph:
@@ -332,7 +347,7 @@ def _write_csc(a: _Args, buckets: BucketFiles, p: int, lo: int, hi: int, pdir: P
     m = buckets.count(p)
     cap = max(1, a.plan.sort_bytes // 8)
     writer = NpyWriter(pdir / "indices.npy", (m,), np.int64)
-    try:
+    with _filled([writer]):
         if m <= cap:
             keys = buckets.read(p)
             buckets.discard(p)
@@ -368,10 +383,6 @@ def _write_csc(a: _Args, buckets: BucketFiles, p: int, lo: int, hi: int, pdir: P
                     sub.discard(s)
                     _write_sorted(keys, n, writer)
                     del keys
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
     layout.save_array(pdir / "indptr.npy", indptr)
     return m, subs
 
@@ -383,7 +394,7 @@ def _write_rows(a: _Args, parts: np.ndarray, part_nodes: np.ndarray, tmp: Path) 
         writers = [NpyWriter(tmp / f"part-{p}" / f"{what}.npy",
                              (int(part_nodes[p]), d) if what == "feat" else (int(part_nodes[p]),),
                              a.feat_dtype if what == "feat" else np.int64) for p in range(k)]
-        try:
+        with _filled(writers):
             rows = a.plan.feat_rows if what == "feat" else max(a.plan.feat_rows, 1 << 20)
             chunks = (a.source.feat_chunks(rows) if what == "feat"
                       else a.source.label_chunks(rows))
@@ -410,12 +421,6 @@ def _write_rows(a: _Args, parts: np.ndarray, part_nodes: np.ndarray, tmp: Path) 
             bar.close()
             if r != n:
                 raise DatasetError(f"{a.source.where}: {r} {what} rows, expected {n}")
-            for w in writers:
-                w.close()
-        except BaseException:
-            for w in writers:
-                w.abort()
-            raise
 
 
 def _unique(x: np.ndarray) -> np.ndarray:
@@ -570,19 +575,13 @@ def _write_halo(p: int, parts: list[_MappedPart], offsets: np.ndarray, a: _Args,
     writers = [NpyWriter(pdir / "halo_indices.npy", (edges,), np.int64),
                NpyWriter(pdir / "halo_feat.npy", (h, a.d), a.feat_dtype),
                NpyWriter(pdir / "halo_label.npy", (h,), np.int64)]
-    try:
+    with _filled(writers):
         for q, loc in _by_owner(halo, offsets):
             src = parts[q]
             writers[0].write(_in_edges(src, loc)[1])
             writers[1].write(np.asarray(src.feat[loc]).reshape(loc.size, a.d))
             writers[2].write(np.asarray(src.label[loc]))
             src.drop()
-        for w in writers:
-            w.close()
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
     return h, edges
 
 
