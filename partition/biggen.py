@@ -62,7 +62,6 @@ import gzip
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,7 +72,7 @@ from tqdm import tqdm
 
 from partition.graph_data import DatasetError
 from partition.partitioner import peak_rss_bytes
-from partition.rmat import ogb_meta
+from partition.rmat import fresh_raw_dirs, ogb_meta
 from partition.synthetic import (
     _CLASS_SKEW,
     _STUBS_PER_NODE,
@@ -442,12 +441,7 @@ def write_synthetic_binary(
     name = name or f"synthetic-binary-{n}"
 
     out = Path(out_dir)
-    raw = out / "raw"
-    split = out / "split" / split_name
-    for p in (raw, split):
-        if p.exists():
-            shutil.rmtree(p)
-        p.mkdir(parents=True)
+    raw, split = fresh_raw_dirs(out, split_name)
 
     if int(chunk_edges) < 1:
         raise DatasetError(f"synthetic binary graph: chunk_edges={chunk_edges} must be >= 1")

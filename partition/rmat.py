@@ -327,6 +327,16 @@ def ogb_meta(name: str, num_classes: int, split_name: str, *, binary: bool,
     }
 
 
+def fresh_raw_dirs(out: Path, split_name: str) -> tuple[Path, Path]:
+    """``out/raw`` and ``out/split/<split_name>``, created empty (replaced if they exist)."""
+    raw, split = out / "raw", out / "split" / split_name
+    for p in (raw, split):
+        if p.exists():
+            shutil.rmtree(p)
+        p.mkdir(parents=True)
+    return raw, split
+
+
 def write_ogb_binary(data: GraphData, out_dir: str | Path, *, split_name: str = "random",
                      progress: bool = True) -> Path:
     """Write ``data`` in OGB's binary raw layout under ``out_dir`` (created; its ``raw/``
@@ -336,12 +346,7 @@ def write_ogb_binary(data: GraphData, out_dir: str | Path, *, split_name: str = 
     inflate step when loading)."""
     data.validate()
     out = Path(out_dir)
-    raw = out / "raw"
-    split = out / "split" / split_name
-    for p in (raw, split):
-        if p.exists():
-            shutil.rmtree(p)
-        p.mkdir(parents=True)
+    raw, split = fresh_raw_dirs(out, split_name)
     steps = tqdm(total=3, desc=f"write OGB binary {out}", file=sys.stderr,
                  disable=not progress)
     e = data.num_edges
