@@ -57,7 +57,7 @@ from partition.graph_data import DatasetError, GraphData
 from partition.hotness import rank_within_parts
 from partition.layout import PartInfo, PartitionSetMeta
 from partition.outdir import PartitionError, staged_out
-from partition.partitioner import _balance, _random_assign, _relabel_nodes, peak_rss_bytes
+from partition.partitioner import _random_assign, _relabel_nodes, _stats
 
 __all__ = ["partition_stream", "GraphSource", "NpyWriter", "STREAM_METHODS"]
 
@@ -646,37 +646,21 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
         del hot
     t_write = time.perf_counter()
     monitor.sample()
-    part_train = np.array([i.num_train for i in infos], dtype=np.int64)
-    edge_cut = int(part_cut.sum())
-    stats = {
-        "edge_cut": edge_cut,
-        "edge_cut_frac": edge_cut / e if e else 0.0,
-        "node_balance": _balance(part_nodes),
-        "edge_balance": _balance(part_edges),
-        "train_balance": _balance(part_train),
-        "part_nodes": part_nodes.tolist(),
-        "part_edges": part_edges.tolist(),
-        "part_train": part_train.tolist(),
-        "part_edge_cut": part_cut.tolist(),
-        "part_halo_nodes": [h for h, _ in halos],
-        "part_halo_edges": [he for _, he in halos],
-        "assign_s": round(t_assign - a.t0, 3),
-        "relabel_s": round(t_relabel - t_assign, 3),
-        "write_s": round(t_write - t_relabel, 3),
-        "elapsed_s": round(time.perf_counter() - a.t0, 3),
-        "peak_rss_bytes": peak_rss_bytes(),
+    stats = _stats(e, part_nodes, infos, part_cut.tolist(),
+                   (a.t0, t_assign, t_relabel, t_write))
+    stats.update({
         "max_memory_bytes": a.plan.budget_bytes,
         "peak_rss_sampled_bytes": int(monitor.peak),
         "method": a.method,
         "passes": (a.passes if a.method in ("fennel", "ldg") and k > 1 else 0) + 1,
         "sort_sub_buckets": int(subs),
         "feat_dtype": a.feat_dtype.name,
-    }
+    })
     meta = PartitionSetMeta(
         dataset=a.source.name, num_parts=k, num_nodes=n, num_edges=e, feat_dim=a.d,
         num_classes=int(a.source.num_classes), node_offsets=offsets.tolist(), parts=infos,
         feat_dtype=a.feat_dtype.name, method=a.method, halo_hops=a.halo_hops,
-        edge_cut=edge_cut,
+        edge_cut=stats["edge_cut"],
         seed=a.seed, set_id=layout.new_set_id(), stats=stats)
     layout.write_metadata(tmp, meta)
     return meta
