@@ -89,21 +89,16 @@ from benchmarks.scalerun import (
     add_graph_args,
     check_args,
     config_of,
-    dir_bytes,
     make_view,
-    read_epochs,
-    run_child,
     step_generate,
     step_partition,
     table,
-    train_figures,
+    train_on_view,
     train_rows,
-    worker_argv,
 )
 from common.cli import Interrupted, raise_on_signals
 
 LOCALITIES = ("global", "part")  # the trainer's --batch-locality choices
-EVAL_BATCH_SIZE = 1024  # the trainer's --eval-batch-size default (worker_argv leaves it)
 
 
 def locality_list(text: str) -> list[str]:
@@ -158,17 +153,9 @@ def step_train_locality(args: argparse.Namespace, view: dict, work: Path, locali
     """worker-mode on the method's view (:func:`benchmarks.scalerun.make_view`, made once
     per method so both localities train and evaluate on the same seeds) with the trainer's
     ``--batch-locality locality``; otherwise as :func:`benchmarks.scalerun.step_train`."""
-    run_dir = work / f"run-{locality}"
-    _remove(run_dir, False)
-    argv = worker_argv(args, Path(view["dir"]), run_dir, work, args.epochs)
-    argv += ["--batch-locality", locality]
-    summary, poll, wall = run_child(name, argv, args.train_timeout_s, poll_s=args.poll_s,
-                                    servers=True)
-    eval_batches = sum(-(-view["splits"][sp] // EVAL_BATCH_SIZE) for sp in ("valid", "test"))
-    res = train_figures(summary, poll, wall, eval_batches, read_epochs(run_dir))
+    res = train_on_view(args, view, work, work / f"run-{locality}", epochs=args.epochs,
+                        name=name, extra=("--batch-locality", locality))
     res["batch_locality"] = locality
-    res["parts_bytes"] = dir_bytes(Path(view["of"]))
-    res["view"] = view
     per_epoch(res)
     return res
 

@@ -648,21 +648,29 @@ def train_figures(summary: dict, poll: TreePoller, wall: float, eval_batches: in
     return res
 
 
+EVAL_BATCH_SIZE = 1024  # the trainer's --eval-batch-size default (worker_argv leaves it)
+
+
+def train_on_view(args: argparse.Namespace, view: dict, work: Path, run_dir: Path, *,
+                  epochs: int, name: str, extra: tuple[str, ...] = ()) -> dict:
+    """worker-mode on ``view`` (:func:`make_view`) for ``epochs``, with ``extra`` trainer
+    options; its figures (:func:`train_figures`), the set's bytes and the view."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = worker_argv(args, Path(view["dir"]), run_dir, work, epochs) + list(extra)
+    summary, poll, wall = run_child(name, argv, args.train_timeout_s, poll_s=args.poll_s,
+                                    servers=True)
+    eval_batches = sum(-(-view["splits"][sp] // EVAL_BATCH_SIZE) for sp in ("valid", "test"))
+    res = train_figures(summary, poll, wall, eval_batches, read_epochs(run_dir))
+    res["parts_bytes"] = dir_bytes(Path(view["of"]))
+    res["view"] = view
+    return res
+
+
 def step_train(args: argparse.Namespace, parts: Path, work: Path, *, epochs: int,
                caps: dict[str, int | None], name: str = "train") -> dict:
     """worker-mode on a view of ``parts`` (splits capped by ``caps``) for ``epochs``."""
     view = make_view(parts, work / "view", caps, salt=args.seed)
-    run_dir = work / "run"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    argv = worker_argv(args, work / "view", run_dir, work, epochs)
-    summary, poll, wall = run_child(name, argv, args.train_timeout_s, poll_s=args.poll_s,
-                                    servers=True)
-    eval_bs = 1024  # the trainer's --eval-batch-size default
-    eval_batches = sum(-(-view["splits"][sp] // eval_bs) for sp in ("valid", "test"))
-    res = train_figures(summary, poll, wall, eval_batches, read_epochs(run_dir))
-    res["parts_bytes"] = dir_bytes(parts)
-    res["view"] = view
-    return res
+    return train_on_view(args, view, work, work / "run", epochs=epochs, name=name)
 
 
 # ------------------------------------------------------------------------------ driver
