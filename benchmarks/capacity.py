@@ -351,9 +351,16 @@ def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: 
     c = cal["server_cpu"]
     # server-to-server: each peer holding some of a hop's frontier gets a request per hop
     requests = (k - 1) * c.get("remote_requests_per_peer", 0.0) if remote > 0 else 0.0
-    cpu_ms = (c["ms_per_sampled_edge"] * edges + c["ms_per_feature_byte"] * feat_bytes_batch
-              + c["ms_per_reply_byte"] * reply + c["ms_per_remote_byte"] * remote
-              + c.get("ms_per_remote_request", 0.0) * requests)
+    ring = c.get("ring") if shm_ring else None
+    if ring:  # worker mode: the ring's own calibration (features written, not encoded)
+        cpu_ms = (ring["ms_per_sampled_edge"] * edges
+                  + ring["ms_per_feature_byte"] * feat_bytes_batch
+                  + ring["ms_per_remote_byte"] * remote)
+    else:
+        cpu_ms = (c["ms_per_sampled_edge"] * edges
+                  + c["ms_per_feature_byte"] * feat_bytes_batch
+                  + c["ms_per_reply_byte"] * reply + c["ms_per_remote_byte"] * remote
+                  + c.get("ms_per_remote_request", 0.0) * requests)
     sampling_s = batches * cpu_ms / 1000 / (k * server_cores)
     link = bandwidth_gbps * 1e9 / 8
     server_out = batches / k * (reply + remote)  # replies to trainers + answers to peers
@@ -378,7 +385,8 @@ def predict(cal: dict, t: dict, *, servers: int, trainers: int, bandwidth_gbps: 
                   "layers": [{kk: round(v) for kk, v in h.items()} for h in walk],
                   "reply_bytes": round(reply), "remote_bytes": round(remote),
                   "local_fraction": [round(f, 4) for f in fracs],
-                  "server_cpu_ms": round(cpu_ms, 2)},
+                  "server_cpu_ms": round(cpu_ms, 2),
+                  "server_cpu_model": "ring (worker mode)" if ring else "socket"},
         "edge_cut": round(cut_used, 4), "batches_by_part": batches_by_part,
         "graph_bytes": round(graph), "server_memory_bytes": round(server_mem),
         "server_memory_parts": {"part_files": round(graph / k),
@@ -978,6 +986,69 @@ def fit_remote_cpu(one: dict, multi: dict, large: dict) -> dict:
             "points": pts, "terms": "extra ms = a * requests + b * bytes (per batch)"}
 
 
+def _ring_runs(args: argparse.Namespace, sets: dict, work: Path) -> dict[int, dict]:
+    """worker-mode (``benchmarks.scalerun``'s train step: one trainer, the shared-memory ring
+    on, every server of the set on this node) on ``sets[k]`` for each k, ``args.ring_batches``
+    training batches and ``args.ring_eval_seeds`` valid / test seeds each: the servers' CPU
+    per batch (psutil, from the trainer's start) and the server-to-server bytes per batch,
+    as the scale runs measure them."""
+    from benchmarks import scalerun
+
+    sargs = scalerun.build_parser().parse_args([
+        "--work-dir", str(work), "--fanouts", ",".join(map(str, args.fanouts)),
+        "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+        "--train-timeout-s", repr(float(args.step_timeout_s)),
+        "--eval-seeds", str(args.ring_eval_seeds)])
+    caps = {"train": args.ring_batches * args.batch_size,
+            "valid": args.ring_eval_seeds or None, "test": args.ring_eval_seeds or None}
+    out = {}
+    for k, parts in sorted(sets.items()):
+        log(f"worker mode, {k} part(s) of {parts.name}, ring on: {args.ring_batches} batches")
+        view = scalerun.make_view(parts, work / f"view-{k}", caps, salt=args.seed)
+        res = scalerun.train_on_view(sargs, view, work, work / f"run-{k}", epochs=1,
+                                     name=f"worker-mode {k} part(s)")
+        out[k] = {key: res.get(key) for key in (
+            "batches", "eval_batches", "server_cpu_ms_per_batch",
+            "server_to_server_bytes_per_batch", "bytes_per_batch", "stage_ms_per_batch",
+            "seeds_per_s", "shm_ring", "server_pss_max_bytes", "server_rss_max_bytes")}
+        out[k]["parts"] = k
+        if not res.get("server_cpu_ms_per_batch"):
+            raise RuntimeError(f"worker-mode on {k} part(s) reported no server CPU per batch "
+                               f"({res.get('servers')})")
+        shutil.rmtree(work / f"view-{k}", ignore_errors=True)
+        shutil.rmtree(work / f"run-{k}", ignore_errors=True)
+    return out
+
+
+def fit_ring_cpu(runs: dict[int, dict], walk: list[dict], feat_dim: int, feat_bytes: int
+                 ) -> dict:
+    """Servers' CPU per batch with the ring (worker mode), from ``runs`` (:func:`_ring_runs`)
+    on one graph whose batch shape is ``walk``: the 1-part run's CPU split by its sampling /
+    gathering stage times into a cost per sampled edge and per gathered feature byte (features
+    written into the ring, not encoded), and the K-part run's extra CPU over it per
+    server-to-server byte (the same batches; the peers' gather, encode and send, the
+    requester's receive and scatter)."""
+    one = runs[1]
+    many = runs[max(runs)]
+    local = one["server_cpu_ms_per_batch"]
+    st = one.get("stage_ms_per_batch") or {}
+    sample, gather = st.get("server_sample", 0.0), st.get("server_gather", 0.0)
+    share = sample / (sample + gather) if sample + gather > 0 else 0.5
+    edges = sum(h["edges"] for h in walk)
+    featb = walk[-1]["src"] * feat_dim * feat_bytes
+    s2s = many.get("server_to_server_bytes_per_batch") or 0.0
+    extra = many["server_cpu_ms_per_batch"] - local
+    return {"ms_per_sampled_edge": local * share / max(edges, 1.0),
+            "ms_per_feature_byte": local * (1 - share) / max(featb, 1.0),
+            "ms_per_remote_byte": max(extra, 0.0) / s2s if s2s > 0 else 0.0,
+            "cpu_ms_per_batch_1part": local,
+            f"cpu_ms_per_batch_{max(runs)}parts": many["server_cpu_ms_per_batch"],
+            "sample_share": share, "model_edges": edges, "model_feature_bytes": featb,
+            "runs": runs,
+            "terms": "ms = a_E * sampled edges + a_F * feature bytes + a_S * server-to-server "
+                     "bytes (per batch, all servers)"}
+
+
 def measure(args: argparse.Namespace) -> dict:
     """The calibration (module docstring); ``args`` from the ``measure`` sub-parser."""
     n = args.nodes
@@ -1149,6 +1220,20 @@ def measure(args: argparse.Namespace) -> dict:
                                        args.server_threads, 1)
         remote_fit = fit_remote_cpu(one_run, multi, large)
         ms_remote = remote_fit["ms_per_remote_byte"]
+        # with the ring (worker mode): the larger graph's 1-part set and the last method's
+        # 4-part set in worker mode, as the scale runs are measured
+        ring = None
+        ring_sets = {1: sets.get(("large", methods[0], 1)),
+                     4: sets.get(("large", methods[-1], 4))}
+        if args.ring_batches > 0 and all(ring_sets.values()):
+            ring_runs = _ring_runs(args, ring_sets, work)  # type: ignore[arg-type]
+            walk_large = layer_walk(min(args.batch_size, round(args.train_frac
+                                                               * args.partition_nodes)),
+                                    args.fanouts, phis,
+                                    neff["coef"] * args.partition_nodes ** neff["exp"])
+            ring = fit_ring_cpu(ring_runs, walk_large, args.feat_dim, 4)
+            ring["nodes"] = args.partition_nodes
+            ring["method_4parts"] = methods[-1]
 
         inflight_work = args.inflight * (featb + reply_meas)
         anon = one_run["peak"]["anon"]
@@ -1181,7 +1266,7 @@ def measure(args: argparse.Namespace) -> dict:
                            "ms_per_reply_byte": ms_reply, "ms_per_remote_byte": ms_remote,
                            "ms_per_remote_request": remote_fit["ms_per_remote_request"],
                            "remote_requests_per_peer": remote_fit["remote_requests_per_peer"],
-                           "remote_fit": remote_fit,
+                           "remote_fit": remote_fit, "ring": ring,
                            "threads": args.server_threads, "inflight": args.inflight,
                            "batches": args.batches,
                            "wall_ms_per_batch": one_run["wall_ms_per_batch"]},
@@ -1422,6 +1507,13 @@ def print_calibration(cal: dict) -> None:
           f"{c['cpu_ms_per_batch_2parts']:.1f} (2 parts, both servers); per input node "
           f"{c['cpu_ms_per_input_node'] * 1000:.3f} us; shares "
           f"{ {k: round(v, 2) for k, v in c['stage_shares'].items()} }", file=sys.stderr)
+    r = c.get("ring")
+    if r:
+        print(f"  with the ring (worker mode, {r['nodes']:,} nodes): CPU ms/batch "
+              f"{r['cpu_ms_per_batch_1part']:.1f} (1 part), "
+              f"{r['cpu_ms_per_batch_4parts']:.1f} (4 parts, {r['method_4parts']}); "
+              f"{r['ms_per_remote_byte'] * 1e6:.2f} ns per server-to-server byte",
+              file=sys.stderr)
     print(f"  server peak RSS {_h(m['peak_rss_bytes'])} (anon {_h(m['peak_anon_bytes'])}, "
           f"fixed anon {_h(m['fixed_anon_bytes'])}); part bytes per node "
           f"{pb['per_node_nonfeat']:.1f} + features, per edge {pb['per_edge']:.2f}",
@@ -1495,6 +1587,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph sizes whose batch shapes fit the effective-population law "
                         "(default 100000,200000,400000,800000; generated with 1-dim features, "
                         "sampled in this process)")
+    m.add_argument("--ring-batches", type=int, default=80,
+                   help="training batches of the two worker-mode runs (ring on) on the "
+                        "--partition-nodes graph, 1 part and 4 parts, that calibrate the "
+                        "servers' CPU per batch with the ring (default 80; 0: none, and "
+                        "worker-mode predictions use the socket figures)")
+    m.add_argument("--ring-eval-seeds", type=int, default=10000,
+                   help="valid and test seeds each of those runs evaluates after training, "
+                        "as benchmarks.scalerun's --eval-seeds (default 10000)")
     m.add_argument("--server-threads", type=int, default=2)
     m.add_argument("--inflight", type=int, default=2,
                    help="requests kept in flight by the measuring client (default 2; lowered "
@@ -1550,6 +1650,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model batches made of one part's seeds only (a trainer's default "
                         "batches are shuffled over all seeds and go to the part owning most "
                         "of them)")
+    q.add_argument("--shm-ring", action="store_true",
+                   help="trainers share the servers' node and take features through the "
+                        "shared-memory ring (worker mode): replies leave the features out "
+                        "and the servers' CPU uses the calibration's worker-mode figures")
     q.add_argument("--input-nodes", type=_positive_float,
                    help="a measured input-node count per batch to use instead of the model's")
     q.add_argument("--calibration",
@@ -1609,7 +1713,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
                                      edge_cut=args.edge_cut, max_memory_gb=args.max_memory_gb,
                                      input_nodes=args.input_nodes,
                                      server_threads=args.server_threads,
-                                     batches_by_part=args.batches_by_part))
+                                     batches_by_part=args.batches_by_part,
+                                     shm_ring=args.shm_ring))
         print_prediction(preds)
         print(json.dumps({"command": cmd,
                           "calibration": args.calibration or str(DEFAULT_CALIBRATION),

@@ -100,6 +100,33 @@ def test_predict_arithmetic():
 
 
 @pytest.mark.timeout(30)
+def test_ring_cpu_fit_and_prediction():
+    """The worker-mode (ring) coefficients: the 1-part run's CPU split by its stage times over
+    the model's edges and feature bytes, the 4-part run's extra per server-to-server byte;
+    predict uses them only for a run with the ring."""
+    walk = [{"dst": 1000, "edges": 2000, "src": 3000}, {"dst": 3000, "edges": 6000, "src": 9000},
+            {"dst": 9000, "edges": 18000, "src": 27000}]
+    runs = {1: {"server_cpu_ms_per_batch": 100.0,
+                "stage_ms_per_batch": {"server_sample": 30.0, "server_gather": 10.0}},
+            4: {"server_cpu_ms_per_batch": 300.0, "server_to_server_bytes_per_batch": 4e7}}
+    ring = cap.fit_ring_cpu(runs, walk, 100, 4)
+    assert ring["ms_per_sampled_edge"] == pytest.approx(75.0 / 26000)
+    assert ring["ms_per_feature_byte"] == pytest.approx(25.0 / (27000 * 400))
+    assert ring["ms_per_remote_byte"] == pytest.approx(200.0 / 4e7)
+    cal = hand_calibration()
+    cal["server_cpu"]["ring"] = ring
+    sock = cap.predict(cal, graph(), servers=1, trainers=1, bandwidth_gbps=10)
+    assert sock["batch"]["server_cpu_model"] == "socket"
+    assert sock["batch"]["server_cpu_ms"] == pytest.approx(26.0, abs=0.01)  # 1 us per edge
+    one = cap.predict(cal, graph(), servers=1, trainers=1, bandwidth_gbps=10, shm_ring=True)
+    assert one["batch"]["server_cpu_model"] == "ring (worker mode)"
+    assert one["batch"]["server_cpu_ms"] == pytest.approx(100.0, abs=0.01)  # the same batch
+    four = cap.predict(cal, graph(), servers=4, trainers=1, bandwidth_gbps=10, shm_ring=True)
+    x = four["batch"]["remote_bytes"]
+    assert four["batch"]["server_cpu_ms"] == pytest.approx(100.0 + 200.0 * x / 4e7, abs=0.01)
+
+
+@pytest.mark.timeout(30)
 def test_predict_bounds_and_budget():
     cal = hand_calibration()
     slow_net = cap.predict(cal, graph(), servers=1, trainers=1, bandwidth_gbps=0.001,
@@ -276,20 +303,30 @@ def test_bad_input_exits_2_naming_the_fix(tmp_path):
     assert noruns.returncode == 2 and "benchmarks.scalerun" in noruns.stderr
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_measure_tiny_graph_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     proc = _run("measure", "--out", str(out), "--nodes", "3000", "--batches", "3",
                 "--layer-batches", "2", "--shape-nodes", "2000,3000", "--methods", "fennel",
-                "--max-memory-gb", "2", "--partition-nodes", "0", "--plan-budgets", "1",
-                "--work-dir", str(tmp_path), timeout=230)
+                "--max-memory-gb", "2", "--partition-nodes", "6000", "--plan-budgets", "1",
+                "--ring-batches", "2", "--ring-eval-seeds", "200",
+                "--work-dir", str(tmp_path), timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cal = cap.load_calibration(str(out))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == cal
     assert list(cal["partition"]["fit"]) == ["fennel"]
-    # 1, 2 and 4 parts at N; 4 parts at N/2 twice; 4 parts at N with a 1 GB budget
-    assert len(cal["partition"]["runs"]) == 6
-    assert cal["partition"]["plan"]["runs"] == 6 and cal["partition"]["plan"]["base_bytes"] >= 0
+    # 1, 2 and 4 parts at N; 4 parts at N/2 twice; 1 and 4 parts of the 6000-node graph;
+    # 4 parts at N with a 1 GB budget
+    assert len(cal["partition"]["runs"]) == 8
+    assert cal["partition"]["plan"]["runs"] == 8 and cal["partition"]["plan"]["base_bytes"] >= 0
+    # the worker-mode runs (ring on) on the 6000-node graph's 1- and 4-part sets
+    ring = cal["server_cpu"]["ring"]
+    assert ring["nodes"] == 6000 and set(ring["runs"]) == {"1", "4"}
+    assert all(r["shm_ring"]["used"] and r["server_cpu_ms_per_batch"] > 0
+               for r in ring["runs"].values())
+    assert ring["runs"]["4"]["server_to_server_bytes_per_batch"] > 0
+    assert ring["ms_per_sampled_edge"] > 0 and ring["ms_per_feature_byte"] > 0
+    assert ring["ms_per_remote_byte"] >= 0
     assert all(r["peak_rss_bytes"] > 0 and r["wall_s"] > 0 for r in cal["partition"]["runs"])
     s = cal["sampling"]
     assert s["fanouts"] == [15, 10, 5] and len(s["phi"]) == 3 and s["neff_coef"] > 0
@@ -304,4 +341,9 @@ def test_measure_tiny_graph_end_to_end(tmp_path):
     p = cap.predict(cal, dict(cap.DATASETS["ogbn-products"], dataset="ogbn-products"),
                     servers=2, trainers=2, bandwidth_gbps=10)
     assert p["server_memory_bytes"] > p["graph_bytes"] / 2
+    assert p["batch"]["server_cpu_model"] == "socket"
+    pr = cap.predict(cal, dict(cap.DATASETS["ogbn-products"], dataset="ogbn-products"),
+                     servers=2, trainers=2, bandwidth_gbps=10, shm_ring=True)
+    assert pr["batch"]["server_cpu_model"] == "ring (worker mode)"
+    assert pr["batch"]["server_cpu_ms"] > 0
     assert not list(tmp_path.glob("mfgserve-capacity-*"))  # its temporary graphs are gone
