@@ -54,6 +54,32 @@ class GraphData:
     test: np.ndarray
     num_classes: int
     feat_source: str = ""
+    # The task (ogb's meta_dict): "multiclass" (label int64 [N], class or -1) or "binary"
+    # (multi-label: label float32 [N, num_tasks], 0 / 1, NaN where unknown); eval_metric is
+    # ogb's "eval metric" ("acc", "rocauc").
+    task_type: str = "multiclass"
+    num_tasks: int = 1
+    eval_metric: str = "acc"
+    # Typed (heterogeneous) graphs; ntypes empty: homogeneous. Node ids are homogeneous: the
+    # types in ntypes order, each type's ids contiguous (DGL's to_homogeneous order), so
+    # node_type (int8 [N]) is non-decreasing. edge_type (int16 [E]) gives each edge's position
+    # in etypes ([src type, relation, dst type]). predict_ntype: the type with labels and
+    # splits; feat_ntypes: the types whose feature rows are real (read or derived).
+    ntypes: list = None  # type: ignore[assignment]
+    etypes: list = None  # type: ignore[assignment]
+    node_type: np.ndarray | None = None
+    edge_type: np.ndarray | None = None
+    predict_ntype: str = ""
+    feat_ntypes: list = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        for attr in ("ntypes", "etypes", "feat_ntypes"):
+            if getattr(self, attr) is None:
+                setattr(self, attr, [])
+
+    @property
+    def is_typed(self) -> bool:
+        return bool(self.ntypes)
 
     @property
     def num_edges(self) -> int:

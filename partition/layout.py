@@ -116,6 +116,22 @@ class PartitionSetMeta:
     seed: int = 0
     set_id: str = ""
     stats: dict = field(default_factory=dict)
+    # The task, as ogb's meta_dict names it: "multiclass" (label.npy int64 [n], a class or -1)
+    # or "binary" (multi-label: label.npy float32 [n, num_tasks], 0 / 1, NaN where unknown);
+    # eval_metric is ogb's "eval metric" ("acc", "rocauc"), the metric the trainer reports.
+    task_type: str = "multiclass"
+    num_tasks: int = 1
+    eval_metric: str = "acc"
+    # Typed (heterogeneous) graphs; ntypes empty: homogeneous. Global ids stay one contiguous
+    # range per part; node_type.npy (set level, int8 [N]) gives each global id's type
+    # (position in ntypes). etypes: canonical [src type, relation, dst type], relation id =
+    # position; each part's etype.npy gives each stored in-edge's relation. predict_ntype:
+    # the type with labels and splits; feat_ntypes: the types whose feature rows are real
+    # (read or derived); the others' rows are zeros (use learnable embeddings for them).
+    ntypes: list[str] = field(default_factory=list)
+    etypes: list[list[str]] = field(default_factory=list)
+    predict_ntype: str = ""
+    feat_ntypes: list[str] = field(default_factory=list)
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -227,12 +243,15 @@ def _load_array(path: Path, root: str | os.PathLike, mmap: bool) -> np.ndarray:
 
 def _expected_shapes(meta: PartitionSetMeta, info: PartInfo) -> dict[str, tuple[int, ...]]:
     n, h, d = info.num_nodes, info.num_halo_nodes, meta.feat_dim
-    shapes = {"indptr": (n + 1,), "indices": (info.num_edges,), "feat": (n, d), "label": (n,),
+    lab: tuple[int, ...] = () if meta.task_type == "multiclass" else (meta.num_tasks,)
+    shapes = {"indptr": (n + 1,), "indices": (info.num_edges,), "feat": (n, d),
+              "label": (n, *lab),
               "orig_ids": (n,), "train": (info.num_train,), "valid": (info.num_valid,),
               "test": (info.num_test,)}
     if meta.halo_hops > 0:
         shapes.update(halo_nodes=(h,), halo_indptr=(h + 1,),
-                      halo_indices=(info.num_halo_edges,), halo_feat=(h, d), halo_label=(h,))
+                      halo_indices=(info.num_halo_edges,), halo_feat=(h, d),
+                      halo_label=(h, *lab))
     return shapes
 
 
