@@ -189,3 +189,207 @@ class MFG(Sequence[Block]):
 
     def __repr__(self) -> str:
         return f"MFG({self.blocks}, input_nodes={self.input_nodes.numel()})"
+
+
+# --- typed (heterogeneous) MFGs -------------------------------------------------------------
+
+#: A relation's canonical name: (source node type, edge type, destination node type).
+CanonicalEtype = tuple[str, str, str]
+
+#: The names DGL gives the one node / edge type of a homogeneous graph: :meth:`HeteroBlock.to_dgl`
+#: uses them for the ``""`` of a homogeneous SampledMFG (DGL modules key their per-relation
+#: submodules by name, and a torch module name cannot be empty).
+DGL_NTYPE, DGL_ETYPE = "_N", "_E"
+
+
+def _dgl_name(name: str, default: str) -> str:
+    return name or default
+
+
+class HeteroBlock:
+    """One layer of a typed MFG: per node type its source / destination counts (and ids, in
+    ``srcdata[ntype][NID]`` / ``dstdata[ntype][NID]``), and per relation one :class:`Block`
+    (CSC over that relation's destinations, indices = positions among its source type's
+    sources) keyed by the canonical name ``(src_type, etype, dst_type)``."""
+
+    def __init__(self, ntypes: list[str], num_src: dict[str, int], num_dst: dict[str, int],
+                 rels: dict[CanonicalEtype, Block]):
+        self.ntypes = list(ntypes)
+        self.num_src = {t: int(num_src[t]) for t in self.ntypes}
+        self.num_dst = {t: int(num_dst[t]) for t in self.ntypes}
+        self.rels = rels
+        self.srcdata: dict[str, dict[str, Tensor]] = {t: {} for t in self.ntypes}
+        self.dstdata: dict[str, dict[str, Tensor]] = {t: {} for t in self.ntypes}
+
+    @property
+    def canonical_etypes(self) -> list[CanonicalEtype]:
+        return list(self.rels)
+
+    def _one_type(self, ntype: str | None) -> str:
+        if ntype is not None:
+            return ntype
+        if len(self.ntypes) != 1:
+            raise ValueError(f"this block has node types {self.ntypes}: name one")
+        return self.ntypes[0]
+
+    def num_src_nodes(self, ntype: str | None = None) -> int:
+        return self.num_src[self._one_type(ntype)]
+
+    def num_dst_nodes(self, ntype: str | None = None) -> int:
+        return self.num_dst[self._one_type(ntype)]
+
+    def num_edges(self, rel: CanonicalEtype | None = None) -> int:
+        if rel is not None:
+            return self.rels[rel].num_edges()
+        return sum(b.num_edges() for b in self.rels.values())
+
+    def _apply(self, fn) -> HeteroBlock:
+        out = HeteroBlock(self.ntypes, self.num_src, self.num_dst,
+                          {k: b._apply(fn) for k, b in self.rels.items()})
+        out.srcdata = {t: {k: fn(v) for k, v in d.items()} for t, d in self.srcdata.items()}
+        out.dstdata = {t: {k: fn(v) for k, v in d.items()} for t, d in self.dstdata.items()}
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> HeteroBlock:
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> HeteroBlock:
+        return self._apply(lambda t: t.pin_memory())
+
+    def to_dgl(self):
+        """This layer as a DGL heterograph block (``dgl.create_block`` with one CSC per
+        canonical relation and per-type node counts), node data copied per type; usable with
+        ``dgl.nn.HeteroGraphConv``. A homogeneous MFG's ``""`` names become DGL's default
+        ``"_N"`` / ``"_E"``."""
+        from common.dgl_compat import import_dgl
+
+        dgl = import_dgl()
+        data = {}
+        for (s, e, d), b in self.rels.items():
+            # explicit edge ids, as Block.to_dgl (DGL's CPU backward of edge-data ops)
+            eids = torch.arange(b.num_edges(), device=b.indices.device)
+            key = (_dgl_name(s, DGL_NTYPE), _dgl_name(e, DGL_ETYPE), _dgl_name(d, DGL_NTYPE))
+            data[key] = ("csc", (b.indptr, b.indices, eids))
+        names = {t: _dgl_name(t, DGL_NTYPE) for t in self.ntypes}
+        blk = dgl.create_block(data, num_src_nodes={names[t]: n for t, n in self.num_src.items()},
+                               num_dst_nodes={names[t]: n for t, n in self.num_dst.items()})
+        for side, ours, counts in ((blk.srcnodes, self.srcdata, self.num_src),
+                                   (blk.dstnodes, self.dstdata, self.num_dst)):
+            for t, frame in ours.items():
+                for k, v in frame.items():  # node data only: one row per node of the type
+                    if v.dim() > 0 and v.shape[0] == counts[t]:
+                        side[names[t]].data[k] = v
+        return blk
+
+    def __repr__(self) -> str:
+        return (f"HeteroBlock(num_src_nodes={self.num_src}, num_dst_nodes={self.num_dst}, "
+                f"num_edges={ {k: b.num_edges() for k, b in self.rels.items()} })")
+
+
+class HeteroMFG(Sequence[HeteroBlock]):
+    """The typed blocks of one mini-batch (input layer first), its input node ids per node
+    type (``input_nodes[ntype]``), and its output nodes (seeds), all of ``seed_ntype``.
+
+    Built by :meth:`of` from any :class:`~common.sampled_mfg.SampledMFG`, typed or not (a
+    homogeneous one is the one-type case: node type ``""``, relation ``("", "", "")``), so one
+    code path takes both. Input features per type are ``feat[ntype]`` (also
+    ``blocks[0].srcdata[ntype]["feat"]``), the seeds' labels ``label`` (also
+    ``blocks[-1].dstdata[seed_ntype]["label"]``)."""
+
+    def __init__(self, blocks: list[HeteroBlock], input_nodes: dict[str, Tensor],
+                 seed_ntype: str, output_nodes: Tensor):
+        self.blocks = blocks
+        self.input_nodes = input_nodes
+        self.seed_ntype = seed_ntype
+        self.output_nodes = output_nodes
+
+    @property
+    def ntypes(self) -> list[str]:
+        return list(self.input_nodes)
+
+    @property
+    def feat(self) -> dict[str, Tensor]:
+        return {t: d["feat"] for t, d in self.blocks[0].srcdata.items() if "feat" in d}
+
+    @property
+    def label(self) -> Tensor | None:
+        return self.blocks[-1].dstdata[self.seed_ntype].get("label")
+
+    @classmethod
+    def of(cls, sampled: SampledMFG, feat: dict[str, Tensor] | None = None,
+           seed_ntype: str | None = None) -> HeteroMFG:
+        """The typed blocks of ``sampled``, sharing its tensors (``sampled.check()`` holds
+        its invariants). ``feat``: input features per node type (by default the rows that
+        came in frames, for each type all of whose rows did). ``seed_ntype``: the type of the
+        output nodes; by default the one type with output nodes (a type must be named when
+        several have some, or none does)."""
+        names = [ns.ntype for ns in sampled.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node type names must be unique in an MFG, got {names}")
+        last = sampled.layers[-1].num_dst
+        if seed_ntype is None:
+            with_out = [t for t, n in zip(names, last) if n > 0]
+            if len(with_out) != 1:
+                raise ValueError(f"cannot tell the seed node type: node types {with_out} have "
+                                 "output nodes; pass seed_ntype")
+            seed_ntype = with_out[0]
+        if seed_ntype not in names:
+            raise ValueError(f"seed node type {seed_ntype!r} is not in this MFG's node types "
+                             f"{names}")
+        blocks = []
+        for layer in sampled.layers:
+            rels = {}
+            for r in layer.rels:
+                key = (names[r.src_type], r.etype, names[r.dst_type])
+                rels[key] = Block(r.indptr, r.indices, layer.num_src[r.src_type],
+                                  layer.num_dst[r.dst_type])
+            hb = HeteroBlock(names, dict(zip(names, layer.num_src)),
+                             dict(zip(names, layer.num_dst)), rels)
+            for t, ns in zip(names, sampled.nodes):
+                hb.srcdata[t][NID] = ns.ids[:hb.num_src[t]]
+                hb.dstdata[t][NID] = ns.ids[:hb.num_dst[t]]
+            blocks.append(hb)
+        feats = dict(feat) if feat is not None else {}
+        if feat is None:
+            for t, ns in zip(names, sampled.nodes):
+                f = ns.feat
+                if f.via == FEAT_FRAMES and not f.present.numel():
+                    feats[t] = f.rows
+        for t, x in feats.items():
+            if t not in blocks[0].srcdata:
+                raise ValueError(f"features given for node type {t!r}, which this MFG does "
+                                 f"not have (node types {names})")
+            blocks[0].srcdata[t]["feat"] = x
+        seed = names.index(seed_ntype)
+        blocks[-1].dstdata[seed_ntype]["label"] = sampled.nodes[seed].label
+        ids = {t: ns.ids for t, ns in zip(names, sampled.nodes)}
+        return cls(blocks, ids, seed_ntype, ids[seed_ntype][:last[seed]])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.blocks[i]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[HeteroBlock]:
+        return iter(self.blocks)
+
+    def _apply(self, fn) -> HeteroMFG:
+        return HeteroMFG([b._apply(fn) for b in self.blocks],
+                         {t: fn(v) for t, v in self.input_nodes.items()}, self.seed_ntype,
+                         fn(self.output_nodes))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> HeteroMFG:
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> HeteroMFG:
+        return self._apply(lambda t: t.pin_memory())
+
+    def to_dgl(self) -> list:
+        """The blocks as DGL heterograph blocks (see :meth:`HeteroBlock.to_dgl`)."""
+        return [b.to_dgl() for b in self.blocks]
+
+    def __repr__(self) -> str:
+        return (f"HeteroMFG({self.blocks}, input_nodes="
+                f"{ {t: v.numel() for t, v in self.input_nodes.items()} }, "
+                f"seed_ntype={self.seed_ntype!r})")
