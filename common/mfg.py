@@ -321,12 +321,14 @@ class HeteroMFG(Sequence[HeteroBlock]):
         """The typed blocks of ``sampled``, sharing its tensors (``sampled.check()`` holds
         its invariants). ``feat``: input features per node type (by default the rows that
         came in frames, for each type all of whose rows did). ``seed_ntype``: the type of the
-        output nodes; by default the one type with output nodes (a type must be named when
-        several have some, or none does)."""
+        output nodes; by default the only node type, or else the one type with output nodes
+        (a type must be named when several have some, or none does)."""
         names = [ns.ntype for ns in sampled.nodes]
         if len(set(names)) != len(names):
             raise ValueError(f"node type names must be unique in an MFG, got {names}")
         last = sampled.layers[-1].num_dst
+        if seed_ntype is None and len(names) == 1:
+            seed_ntype = names[0]
         if seed_ntype is None:
             with_out = [t for t, n in zip(names, last) if n > 0]
             if len(with_out) != 1:

@@ -166,6 +166,14 @@ def test_seed_ntype_and_unknown_types_are_named(batch):
     model = RelGraphSAGE(NTYPES, ETYPES[:4], WIDTHS, 8, CLASSES, 2, "paper")
     with pytest.raises(ValueError, match=r"relation \('field', 'topic_of', 'paper'\)"):
         model(mfg, mfg.feat)
+    model = RelGraphSAGE(NTYPES, ETYPES, WIDTHS, 8, CLASSES, 2, "paper")
+    x = dict(mfg.feat)
+    x["field"] = x["field"][:-1]
+    with pytest.raises(ValueError, match=r"needs \d+ source states of node type 'field', got"):
+        model(mfg, x)
+    del x["field"]
+    with pytest.raises(ValueError, match="no input states for node type 'field'"):
+        model(mfg, x)
     model = RelGraphSAGE(NTYPES, ETYPES, WIDTHS, 8, CLASSES, 2, "author")
     with pytest.raises(ValueError, match="seeds are of node type 'paper'"):
         model(mfg, mfg.feat)

@@ -16,6 +16,11 @@ aggregate="sum")`` computes when, per destination type, the relations' ``fc_self
 and biases sum to ``W_self[t]`` / ``b[t]`` (tested against DGL); on a homogeneous MFG (one
 node type, one relation) it is :class:`trainer_client.model.GraphSAGE`.
 
+Unlike HeteroGraphConv, a node type into which no relation leads keeps a state (its self
+loop) from layer to layer, so its relations out of it still count in the next layer (DGL's
+HeteroGraphConv gives such a type no output, and its relations are skipped from then on);
+with reverse relations every type has one leading into it and the two agree.
+
 Node types may have different input widths: the first layer's linears take each type's own
 width (``W_r`` its source type's, ``W_self[t]`` type t's), as DGL's bipartite SAGEConv does,
 so no input projection is needed. Between layers: ReLU and dropout; the output is the logits
@@ -117,8 +122,12 @@ class RelGraphConv(nn.Module):
                                  "this graph's partition metadata")
             if b.num_edges() == 0:
                 continue  # mean and sum over no edges: 0
+            hs = h.get(s)
+            if hs is None or hs.shape[0] != b.num_src_nodes():
+                raise ValueError(f"relation {rel} needs {b.num_src_nodes()} source states of "
+                                 f"node type {s!r}, got "
+                                 f"{'none' if hs is None else hs.shape[0]}")
             w = self.rel_fc[i].weight
-            hs = h[s]
             # project first when that shrinks the rows moved along edges (same function)
             if self.in_dims[s] > self.out_feats:
                 out[d] = out[d] + aggregate(b, F.linear(hs, w), self.aggregator)
