@@ -44,11 +44,11 @@ FANOUTS = [{"cites": 3, "writes": 2, "written_by": 2, "has_topic": 1, "topic_of"
 CLASSES = 4
 
 
-def make_graph(seed: int = 0):
+def make_graph(seed: int = 0, etypes=ETYPES):
     dgl = import_dgl()
     g = torch.Generator().manual_seed(seed)
     data = {}
-    for s, e, d in ETYPES:
+    for s, e, d in etypes:
         n = 3 * NUM[d]
         src = torch.randint(0, NUM[s], (n,), generator=g)
         dst = torch.randint(0, NUM[d], (n,), generator=g)
@@ -371,6 +371,25 @@ def test_model_learns_a_relational_toy_task():
     model.eval()
     acc = (model(mfg, mfg.feat).argmax(1) == mfg.label).float().mean().item()
     assert acc > 0.9, acc
+
+
+def test_a_type_without_relations_into_it_keeps_its_self_loop_state():
+    """No relation leads into author: its layer-0 state is its self loop alone, and the
+    relation out of it (writes) still counts in layer 1 (HeteroGraphConv would drop it)."""
+    etypes = [e for e in ETYPES if e[1] != "written_by"]
+    graph, feat, label = make_graph(seed=4, etypes=etypes)
+    fanouts = [{e: 3 for _, e, _ in etypes}] * 2
+    mfg = HeteroMFG.of(to_sampled(dgl_blocks(graph, torch.arange(0, 60, 2), fanouts),
+                                  feat, label))
+    model = RelGraphSAGE(NTYPES, etypes, WIDTHS, 8, CLASSES, 2, "paper").eval()
+    h = model.layers[0](mfg[0], mfg.feat)
+    nd = mfg[0].num_dst["author"]
+    assert nd > 0 and mfg[1].num_edges(("author", "writes", "paper")) > 0
+    torch.testing.assert_close(h["author"], model.layers[0].self_fc[0](mfg.feat["author"][:nd]))
+    out = model(mfg, mfg.feat)
+    with torch.no_grad():
+        model.layers[1].rel_fc[etypes.index(("author", "writes", "paper"))].weight.zero_()
+    assert not torch.allclose(model(mfg, mfg.feat), out)
 
 
 def test_to_and_pin_memory_keep_everything(batch):
