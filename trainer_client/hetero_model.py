@@ -169,7 +169,9 @@ class RelGraphSAGE(nn.Module):
         h = self.layers[i](block, h)
         if i == len(self.layers) - 1:
             return h
-        return {t: self.dropout(F.relu(v)) for t, v in h.items()}
+        # in place: every state is a fresh self-loop output (+ addmm_ / add), whose backward
+        # does not read it
+        return {t: self.dropout(F.relu(v, inplace=True)) for t, v in h.items()}
 
     def forward(self, blocks, x: dict[str, Tensor]) -> Tensor:
         if isinstance(blocks, HeteroMFG) and blocks.seed_ntype != self.predict_ntype:
