@@ -17,6 +17,9 @@ _RMAT_ONLY = ("rmat_a", "rmat_b", "rmat_c", "rmat_noise")
 _BINARY_ONLY = ("labeled_frac", "feat_dtype")
 # fallbacks that differ for --dataset rmat (issue 14: ~200k training seeds of 2.1M nodes)
 _RMAT_FALLBACKS = {"train_frac": 0.1, "valid_frac": 0.05, "raw_format": "binary"}
+# --dataset synthetic-proteins (partition/proteins.py): the options it takes, its fallbacks
+_PROTEINS_OPTS = ("num_nodes", "avg_degree", "homophily", "num_tasks")
+_PROTEINS_FALLBACKS = {"avg_degree": 50.0}
 METHODS = ("metis", "random", "fennel", "ldg")
 STREAM_ONLY_METHODS = ("fennel", "ldg")
 
@@ -74,6 +77,10 @@ class SyntheticConfig:
         None, "synthetic --raw-format binary only: dtype of node_feat in raw/data.npz; "
         "'float16' halves the feature bytes (kept as float16 in a streamed partition set)",
         choices=["float32", "float16"], fallback="float32")
+    num_tasks: int | None = opt(
+        None, "synthetic-proteins only: number of binary tasks (labels) per node; 112, as "
+        "ogbn-proteins, lets ogb's Evaluator('ogbn-proteins') score it", metavar="T",
+        fallback=112)
     raw_out: str = opt(
         "", "write the generated graph to DIR, readable with --dataset-dir DIR (synthetic: "
         "OGB's csv raw layout, or binary with --raw-format binary; rmat: OGB's binary "
@@ -88,7 +95,8 @@ class SyntheticConfig:
 
     def resolved(self, dataset: str = "synthetic") -> SyntheticConfig:
         """A copy with every option not given set to its fallback for ``dataset``."""
-        extra = _RMAT_FALLBACKS if dataset == "rmat" else {}
+        extra = (_RMAT_FALLBACKS if dataset == "rmat" else
+                 _PROTEINS_FALLBACKS if dataset == "synthetic-proteins" else {})
         return dataclasses.replace(self, **{
             f.name: extra.get(f.name, f.metadata["fallback"]) for f in dataclasses.fields(self)
             if "fallback" in f.metadata and getattr(self, f.name) is None})
@@ -103,7 +111,9 @@ class PartitionConfig:
         "downloaded into --root when missing), 'synthetic' for a generated power-law graph with "
         "homophilous classes (products-shaped), or 'rmat' for a generated RMAT (Kronecker) "
         "graph with skewed degrees, written in OGB's binary layout and read back through ogb "
-        "(see partition/rmat.py). "
+        "(see partition/rmat.py), or 'synthetic-proteins' for a generated multi-label graph "
+        "shaped like ogbn-proteins (edge features, --num-tasks binary tasks, species split; "
+        "partition/proteins.py), written in OGB's raw csv layout and read back through ogb. "
         "Exactly one of --dataset / --dataset-dir is required.", metavar="NAME",
         mutex="source", mutex_required=True)
     dataset_dir: str = opt(
@@ -159,6 +169,16 @@ class PartitionConfig:
         "directory without --raw-out, and the streaming pipeline's edge buckets (~8 bytes per "
         "directed edge; empty: --root for --dataset ogbn-*, the system temp dir otherwise; "
         "streaming: a hidden directory beside --out)", metavar="DIR")
+    edge_feat_to_node: str = opt(
+        "auto", "node features from edge features: per node, the 'mean' or 'sum' of its "
+        "incoming edges' features (raw/edge-feat.csv.gz), appended to any node features "
+        "(ogbn-proteins' usual baseline); 'none' never; 'auto': 'mean' for a dataset with edge "
+        "features and no node features, 'none' otherwise", choices=["auto", "mean", "sum",
+                                                                     "none"])
+    node_species: str = opt(
+        "none", "ogbn-proteins' node_species (an additional node file): 'none' uses it only "
+        "through the 'species' split, as OGB ships it; 'onehot' also appends a one-hot of "
+        "each node's species to its features", choices=["none", "onehot"])
     synthetic: SyntheticConfig = field(
         default_factory=SyntheticConfig,
         metadata={"help": "generated graph (--dataset synthetic or rmat)", "flatten": True})
@@ -172,7 +192,8 @@ class PartitionConfig:
         if self.num_parts < 1:
             raise ConfigError(f"--num-parts {self.num_parts}: the number of parts must be >= 1")
         self._check_memory()
-        generated = self.dataset in ("synthetic", "rmat")
+        generated = self.dataset in ("synthetic", "rmat", "synthetic-proteins")
+        self._check_proteins()
         if self.synthetic.given() and not generated:
             raise ConfigError(f"{', '.join(self.synthetic.given())} only apply to --dataset "
                               "synthetic or rmat; remove them")
@@ -196,7 +217,33 @@ class PartitionConfig:
         elif self.dataset and not self.dataset.startswith("ogbn-"):
             raise ConfigError(
                 f"--dataset {self.dataset!r}: expected an ogbn-* name (e.g. ogbn-arxiv), "
-                "'synthetic' or 'rmat'; for a local directory use --dataset-dir DIR")
+                "'synthetic', 'rmat' or 'synthetic-proteins'; for a local directory use "
+                "--dataset-dir DIR")
+
+    def _check_proteins(self) -> None:
+        """--dataset synthetic-proteins and the options of multi-label datasets."""
+        if self.dataset == "synthetic-proteins":
+            odd = [g for g in self.synthetic.given()
+                   if g[2:].replace("-", "_") not in _PROTEINS_OPTS]
+            if odd:
+                raise ConfigError(f"{', '.join(odd)} do not apply to --dataset "
+                                  "synthetic-proteins (it takes --num-nodes, --avg-degree, "
+                                  "--homophily, --num-tasks); remove them")
+            if self.streaming() or self.max_memory_gb is not None:
+                raise ConfigError(
+                    "--dataset synthetic-proteins is multi-label: it is partitioned in memory "
+                    "(--method metis or random, no --max-memory-gb); the streaming pipeline "
+                    "writes single-task labels only")
+            if self.synthetic.resolved(self.dataset).num_tasks < 1:
+                raise ConfigError(f"--num-tasks {self.synthetic.num_tasks} must be >= 1")
+        elif self.synthetic.num_tasks is not None:
+            raise ConfigError("--num-tasks only applies to --dataset synthetic-proteins; "
+                              "remove it")
+        if self.dataset in ("synthetic", "rmat") and (
+                self.edge_feat_to_node != "auto" or self.node_species != "none"):
+            raise ConfigError(f"--edge-feat-to-node / --node-species do not apply to --dataset "
+                              f"{self.dataset} (a generated graph without edge features or "
+                              "species); remove them")
 
     def streaming(self) -> bool:
         """Whether the streaming pipeline (partition.stream) partitions: --method fennel /

@@ -37,7 +37,9 @@ class GraphData:
       or inf; checked in chunks of rows, so the check needs no second copy of ``feat``).
       ``feat_source`` names where they were read from (a file), for error messages.
     * ``label``: ``np.int64 [num_nodes]``, class in ``[0, num_classes)``, ``-1`` where the
-      node is unlabeled (NaN in the source).
+      node is unlabeled (NaN in the source). With ``task_type`` "binary" (multi-label, e.g.
+      ogbn-proteins): ``np.float32 [num_nodes, num_tasks]``, each entry 0, 1 or NaN
+      (unknown), and ``eval_metric`` "rocauc".
     * ``train``, ``valid``, ``test``: ``np.int64`` original node ids, each within
       ``[0, num_nodes)``, no duplicates within a split.
     * ``num_classes >= 1``.
@@ -118,7 +120,8 @@ class GraphData:
         where = f"dataset {self.name!r}"
         if n < 1:
             raise DatasetError(f"{where} has {n} nodes; a graph needs at least one node")
-        for attr in ("src", "dst", "label", "train", "valid", "test"):
+        binary = self._check_task(where)
+        for attr in ("src", "dst", *(() if binary else ("label",)), "train", "valid", "test"):
             arr = getattr(self, attr)
             if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 1:
                 raise DatasetError(f"{where}: {attr} must be a 1-D np.int64 array")
@@ -138,11 +141,14 @@ class GraphData:
         if self.feat.ndim != 2 or self.feat.shape[0] != n:
             raise DatasetError(f"{where}: feat has shape {self.feat.shape}, expected ({n}, D)")
         self._check_finite()
-        if self.label.shape != (n,):
+        if binary:
+            self._check_multilabels(where)
+        elif self.label.shape != (n,):
             raise DatasetError(f"{where}: label has shape {self.label.shape}, expected ({n},)")
         if self.num_classes < 1:
             raise DatasetError(f"{where}: num_classes={self.num_classes} must be >= 1")
-        if n and (self.label.min() < -1 or self.label.max() >= self.num_classes):
+        if n and not binary and (self.label.min() < -1
+                                 or self.label.max() >= self.num_classes):
             raise DatasetError(
                 f"{where}: labels span [{self.label.min()}, {self.label.max()}] but "
                 f"num_classes={self.num_classes} (-1 marks unlabeled nodes)"
@@ -154,6 +160,40 @@ class GraphData:
             if np.unique(ids).size != ids.size:
                 raise DatasetError(f"{where}: {s} split lists some node more than once")
         return self
+
+    def _check_task(self, where: str) -> bool:
+        """The task fields; True for a binary (multi-label) task."""
+        if self.task_type not in ("multiclass", "binary"):
+            raise DatasetError(f"{where}: task_type={self.task_type!r} must be 'multiclass' "
+                               "or 'binary' (multi-label)")
+        if self.task_type == "multiclass":
+            if self.num_tasks != 1:
+                raise DatasetError(f"{where}: a multiclass task has num_tasks=1, not "
+                                   f"{self.num_tasks}")
+            return False
+        if int(self.num_tasks) < 1:
+            raise DatasetError(f"{where}: num_tasks={self.num_tasks} must be >= 1")
+        if self.eval_metric != "rocauc":
+            raise DatasetError(f"{where}: a binary (multi-label) task is evaluated by "
+                               f"'rocauc', not {self.eval_metric!r}")
+        return True
+
+    def _check_multilabels(self, where: str) -> None:
+        """Binary task: label float32 [N, num_tasks], every entry 0, 1 or NaN (unknown)."""
+        lab, n, t = self.label, int(self.num_nodes), int(self.num_tasks)
+        if not isinstance(lab, np.ndarray) or lab.dtype != np.float32 or lab.shape != (n, t):
+            raise DatasetError(
+                f"{where}: a binary (multi-label) task needs label as np.float32 [{n}, {t}] "
+                f"(num_nodes, num_tasks), got {getattr(lab, 'dtype', type(lab))} "
+                f"{getattr(lab, 'shape', '')}")
+        rows = max(1, _FINITE_CHUNK // max(1, t))
+        for start in range(0, n, rows):
+            block = lab[start:start + rows]
+            bad = ~((block == 0) | (block == 1) | np.isnan(block))
+            if bad.any():
+                r, c = (int(x) for x in np.argwhere(bad)[0])
+                raise DatasetError(f"{where}: label of node {start + r}, task {c} is "
+                                   f"{block[r, c]}; binary labels are 0, 1 or NaN (unknown)")
 
     def _check_finite(self) -> None:
         """Raise DatasetError naming the source and the first row with a NaN or inf feature."""

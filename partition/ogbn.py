@@ -32,7 +32,8 @@ import numpy as np
 
 from partition.graph_data import DatasetError, GraphData
 
-__all__ = ["load_ogb", "DatasetError", "META_KEYS", "DEFAULT_ROOT"]
+__all__ = ["load_ogb", "DatasetError", "META_KEYS", "DEFAULT_ROOT", "reduce_edge_feat", "is_multilabel",
+           "dataset_meta", "EDGE_FEAT_TO_NODE", "NODE_SPECIES"]
 
 DEFAULT_ROOT = "./data/ogb"
 
@@ -75,15 +76,28 @@ def _meta_str(v) -> str:
 
 
 def _required_raw_files(meta: dict) -> list[str]:
+    """The raw files ogb reads for ``meta``: node features unless ``has_node_attr`` is
+    "False" (ogbn-proteins), edge features when ``has_edge_attr`` is "True", and every
+    ``additional node files`` / ``additional edge files`` entry."""
     if meta.get("binary") == "True":
         return ["raw/data.npz", "raw/node-label.npz"]
-    return [
-        "raw/edge.csv.gz",
-        "raw/num-node-list.csv.gz",
-        "raw/num-edge-list.csv.gz",
-        "raw/node-feat.csv.gz",
-        "raw/node-label.csv.gz",
-    ]
+    files = ["raw/edge.csv.gz", "raw/num-node-list.csv.gz", "raw/num-edge-list.csv.gz"]
+    if str(meta.get("has_node_attr", "True")) != "False":
+        files.append("raw/node-feat.csv.gz")
+    if str(meta.get("has_edge_attr", "False")) == "True":
+        files.append("raw/edge-feat.csv.gz")
+    files.append("raw/node-label.csv.gz")
+    for key in ("additional node files", "additional edge files"):
+        extra = str(meta.get(key, "None"))
+        if extra != "None":
+            files += [f"raw/{f.strip()}.csv.gz" for f in extra.split(",") if f.strip()]
+    return files
+
+
+def is_multilabel(meta: dict) -> bool:
+    """Whether ``meta`` (ogb's meta_dict) describes a binary (multi-label) task, e.g.
+    ogbn-proteins' 112 binary tasks."""
+    return "binary" in str(meta.get("task type", ""))
 
 
 def _check_supported(meta: dict, where: str) -> None:
@@ -98,15 +112,30 @@ def _check_supported(meta: dict, where: str) -> None:
             f"{where} is a heterogeneous graph (is hetero=True, e.g. ogbn-mag); partition-ogbn "
             "handles homogeneous node-property datasets only"
         )
-    if str(meta["num tasks"]) != "1" or "multiclass" not in str(meta["task type"]):
+    task, tasks = str(meta["task type"]), str(meta["num tasks"])
+    if is_multilabel(meta):
+        if not tasks.isdigit() or int(tasks) < 1:
+            raise DatasetError(f"{where}: meta.json says 'num tasks' {tasks!r} for a binary "
+                               "classification dataset; it must be a positive integer")
+        return
+    if tasks != "1" or "multiclass" not in task:
         raise DatasetError(
-            f"{where} is a {meta['num tasks']}-task {meta['task type']!r} dataset (e.g. "
-            "ogbn-proteins); partition-ogbn needs single-task multiclass classification"
+            f"{where} is a {tasks}-task {task!r} dataset; partition-ogbn handles "
+            "single-task multiclass classification and (multi-label) binary classification "
+            "(e.g. ogbn-proteins), not this task type"
         )
 
 
+def _present(src: Path, f: str) -> bool:
+    """Whether raw file ``f`` is in ``src``; ogbn-proteins' zip names its species file
+    raw/species.csv.gz, which ogb renames to raw/node_species.csv.gz when reading."""
+    if (src / f).is_file():
+        return True
+    return f == "raw/node_species.csv.gz" and (src / "raw" / "species.csv.gz").is_file()
+
+
 def _check_layout(src: Path, meta: dict, where: str) -> None:
-    missing = [f for f in _required_raw_files(meta) if not (src / f).is_file()]
+    missing = [f for f in _required_raw_files(meta) if not _present(src, f)]
     if missing:
         if meta.get("binary") == "True":
             raise DatasetError(
@@ -115,13 +144,23 @@ def _check_layout(src: Path, meta: dict, where: str) -> None:
                 "raw/node-label.npz, split/, meta.json) -- write one with `partition-ogbn "
                 "--dataset rmat --raw-out DIR`, or set binary to False for raw/*.csv.gz files"
             )
+        if is_multilabel(meta):
+            raise DatasetError(
+                f"{where}: missing {', '.join(str(src / f) for f in missing)}; meta.json "
+                f"describes a multi-label dataset shaped like ogbn-proteins (has_node_attr="
+                f"{meta.get('has_node_attr')}, has_edge_attr={meta.get('has_edge_attr')}, "
+                f"additional node files={meta.get('additional node files')}), so the "
+                "directory must hold those raw files (raw/edge.csv.gz, raw/edge-feat.csv.gz, "
+                "raw/node-label.csv.gz, ...) -- write one with `partition-ogbn --dataset "
+                "synthetic-proteins --raw-out DIR`, or fix meta.json"
+            )
         raise DatasetError(
             f"{where}: missing {', '.join(str(src / f) for f in missing)}; the directory must "
             "hold the dataset in OGB raw layout (raw/*.csv.gz with node features, split/, "
             "meta.json) -- write one with `partition-ogbn --dataset synthetic --raw-out DIR`"
         )
     if meta.get("binary") == "True":
-        _check_binary(src, where)
+        _check_binary(src, where, int(meta["num tasks"]) if is_multilabel(meta) else 0)
     split_dir = src / "split" / str(meta["split"])
     if not (split_dir / "split_dict.pt").is_file():
         absent = [
@@ -165,7 +204,7 @@ def _npz_headers(path: Path, where: str) -> dict[str, tuple[tuple, np.dtype]]:
         ) from e
 
 
-def _check_binary(src: Path, where: str) -> None:
+def _check_binary(src: Path, where: str, num_tasks: int = 0) -> None:
     """The members, shapes and dtypes ogb's binary reader and mfgserve need, checked from
     the npz headers (nothing large is read), so a wrong file fails here with a message
     instead of inside ogb."""
@@ -205,9 +244,11 @@ def _check_binary(src: Path, where: str) -> None:
     if "node_label" not in lh:
         raise DatasetError(f"{where}: {labels} lacks the member 'node_label' (it has "
                            f"{sorted(lh)}); write the labels as node_label [N, 1]")
-    if lh["node_label"][0][:1] != (n,):
+    want = (n, num_tasks or 1)
+    if tuple(lh["node_label"][0]) != want and not (
+            not num_tasks and lh["node_label"][0][:1] == (n,)):
         raise DatasetError(f"{where}: {labels} node_label has shape {lh['node_label'][0]}, "
-                           f"expected ({n}, 1)")
+                           f"expected {want}")
 
 
 def _check_split_file(path: Path, split: str, where: str) -> None:
@@ -322,34 +363,134 @@ def _read_splits(ds, meta: dict, where: str) -> dict[str, np.ndarray]:
     return splits
 
 
+EDGE_FEAT_TO_NODE = ("auto", "mean", "sum", "none")
+NODE_SPECIES = ("none", "onehot")
+
+
+def _multilabels(raw, n: int, num_tasks: int, where: str) -> np.ndarray:
+    """ogb's labels of a binary (multi-label) dataset as float32 ``[n, num_tasks]``: 0 / 1,
+    NaN where unknown."""
+    lab = np.asarray(raw)
+    if lab.ndim == 1:
+        lab = lab.reshape(-1, 1)
+    if lab.shape != (n, num_tasks):
+        raise DatasetError(f"{where}: labels have shape {lab.shape}, expected ({n}, "
+                           f"{num_tasks}) (meta.json 'num tasks' = {num_tasks}); fix "
+                           "raw/node-label.csv.gz or 'num tasks'")
+    lab = lab.astype(np.float32)
+    bad = ~(np.isnan(lab) | (lab == 0) | (lab == 1))
+    if bad.any():
+        r, c = (int(x) for x in np.argwhere(bad)[0])
+        raise DatasetError(f"{where}: the label of node {r}, task {c} is {lab[r, c]}; a "
+                           "binary task's labels must be 0, 1 or empty (NaN: unknown)")
+    return np.ascontiguousarray(lab)
+
+
+def reduce_edge_feat(dst: np.ndarray, edge_feat: np.ndarray, n: int,
+                     how: str) -> np.ndarray:
+    """Node features from edge features: per node, the ``how`` ("mean" / "sum") of the
+    feature rows of its incoming edges (``dst`` == the node), float32 ``[n, D]``; zeros for
+    a node without in-edges. (ogbn-proteins' usual baseline: mean of incident edges.)"""
+    ef = np.asarray(edge_feat, dtype=np.float64)
+    if ef.ndim == 1:
+        ef = ef.reshape(-1, 1)
+    out = np.empty((n, ef.shape[1]), dtype=np.float64)
+    for k in range(ef.shape[1]):
+        out[:, k] = np.bincount(dst, weights=ef[:, k], minlength=n)
+    if how == "mean":
+        out /= np.maximum(np.bincount(dst, minlength=n), 1)[:, None]
+    return out.astype(np.float32)
+
+
+def _species_onehot(graph: dict, n: int, where: str) -> np.ndarray:
+    species = graph.get("node_species")
+    if species is None:
+        raise DatasetError(f"{where} has no node_species (an 'additional node file' of "
+                           "ogbn-proteins); drop --node-species onehot")
+    species = np.asarray(species).reshape(-1)
+    if species.shape != (n,):
+        raise DatasetError(f"{where}: node_species has {species.shape[0]} rows for {n} nodes")
+    values, idx = np.unique(species, return_inverse=True)
+    out = np.zeros((n, values.shape[0]), dtype=np.float32)
+    out[np.arange(n), idx] = 1.0
+    return out
+
+
+def _node_features(graph: dict, n: int, src: np.ndarray, dst: np.ndarray,
+                   edge_feat: np.ndarray | None, where: str, edge_feat_to_node: str,
+                   node_species: str) -> np.ndarray:
+    """The node feature matrix: the dataset's node features and / or the reduction of the
+    incoming edges' features (``edge_feat_to_node``; "auto": mean when the dataset has edge
+    features and no node features), then the species one-hot when asked for."""
+    node_feat = graph.get("node_feat")
+    how = edge_feat_to_node
+    if how == "auto":
+        how = "mean" if node_feat is None and edge_feat is not None else "none"
+    if how != "none" and edge_feat is None:
+        raise DatasetError(f"{where} has no edge features (raw/edge-feat.csv.gz), so "
+                           f"--edge-feat-to-node {edge_feat_to_node} has nothing to reduce; "
+                           "use --edge-feat-to-node none")
+    if node_feat is None and how == "none":
+        if edge_feat is None:
+            raise DatasetError(
+                f"{where} has neither node features (raw/node-feat.csv.gz, or node_feat in "
+                "raw/data.npz) nor edge features (raw/edge-feat.csv.gz); mfgserve needs one "
+                "of them: node features directly, or edge features reduced to node features "
+                "with --edge-feat-to-node mean|sum")
+        raise DatasetError(
+            f"{where} has no node features (raw/node-feat.csv.gz) and --edge-feat-to-node "
+            "none was given; derive them from its edge features with --edge-feat-to-node "
+            "mean (the usual ogbn-proteins baseline) or sum")
+    cols = []
+    if node_feat is not None:
+        feat = np.asarray(node_feat, dtype=np.float32)
+        cols.append(feat.reshape(n, -1) if feat.ndim == 1 else feat)
+    if how != "none":
+        assert edge_feat is not None
+        cols.append(reduce_edge_feat(dst, edge_feat, n, how))
+    if node_species == "onehot":
+        cols.append(_species_onehot(graph, n, where))
+    feat = cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)
+    return np.ascontiguousarray(feat, dtype=np.float32)
+
+
 def _to_graph_data(ds, name: str, meta: dict, add_reverse_edges: bool, where: str,
-                   feat_source: str) -> GraphData:
+                   feat_source: str, edge_feat_to_node: str = "auto",
+                   node_species: str = "none") -> GraphData:
     graph, labels = ds[0]
     n = int(graph["num_nodes"])
-    if graph.get("node_feat") is None:
-        raise DatasetError(
-            f"{where} has no node features (raw/node-feat.csv.gz, or node_feat in "
-            "raw/data.npz); mfgserve needs them"
-        )
-    feat = np.ascontiguousarray(graph["node_feat"], dtype=np.float32)
-    if feat.ndim == 1:
-        feat = feat.reshape(n, 1)
     ei = np.asarray(graph["edge_index"], dtype=np.int64)
     src, dst = ei[0], ei[1]
+    edge_feat = graph.get("edge_feat")
+    if edge_feat is not None and np.asarray(edge_feat).shape[0] != src.shape[0]:
+        raise DatasetError(f"{where}: raw/edge-feat.csv.gz has {np.asarray(edge_feat).shape[0]} "
+                           f"rows for {src.shape[0]} edges (after ogb's inverse edges); it "
+                           "needs one row per line of raw/edge.csv.gz")
     if add_reverse_edges and meta["add_inverse_edge"] != "True":
         keep = src != dst  # a self loop is its own reverse
         src = np.concatenate([src, dst[keep]])
         dst = np.concatenate([dst, ei[0][keep]])
+        if edge_feat is not None:  # a reversed edge carries its edge's features
+            ef = np.asarray(edge_feat)
+            edge_feat = np.concatenate([ef, ef[keep]])
+    feat = _node_features(graph, n, src, dst, edge_feat, where, edge_feat_to_node,
+                          node_species)
     splits = _read_splits(ds, meta, where)
+    if is_multilabel(meta):
+        tasks = int(meta["num tasks"])
+        task = dict(label=_multilabels(labels, n, tasks, where), task_type="binary",
+                    num_tasks=tasks, eval_metric=str(meta.get("eval metric") or "rocauc"))
+    else:
+        task = dict(label=_labels(labels, n, where))
     data = GraphData(
         name=name,
         num_nodes=n,
         src=np.ascontiguousarray(src),
         dst=np.ascontiguousarray(dst),
         feat=feat,
-        label=_labels(labels, n, where),
         num_classes=int(meta["num classes"]),
         feat_source=feat_source,
+        **task,
         **splits,
     )
     return data.validate()
@@ -404,7 +545,7 @@ def _named_source(name: str, root: str | None, work_dir: str | None):
     src = root_p / "_".join(name.split("-"))
     where = f"OGB dataset {name} in {src}"
     _check_supported(meta, where)
-    if any(not (src / f).is_file() for f in _required_raw_files(meta)):
+    if any(not _present(src, f) for f in _required_raw_files(meta)):
         with contextlib.redirect_stdout(sys.stderr):
             _download(name, meta, root_p, src)
     _check_layout(src, meta, where)
@@ -413,7 +554,8 @@ def _named_source(name: str, root: str | None, work_dir: str | None):
 
 
 def _load_staged(src: Path, meta: dict, ds_name: str, where: str, parent: str | None,
-                 add_reverse_edges: bool) -> GraphData:
+                 add_reverse_edges: bool, edge_feat_to_node: str = "auto",
+                 node_species: str = "none") -> GraphData:
     """Stage ``src`` into a working dir under ``parent``, let ogb read it, remove the dir."""
     from ogb.nodeproppred import NodePropPredDataset
 
@@ -425,8 +567,10 @@ def _load_staged(src: Path, meta: dict, ds_name: str, where: str, parent: str | 
             except (RuntimeError, ValueError, KeyError, OSError) as e:
                 raise DatasetError(f"ogb could not read {where}: {e!r}; check its raw files") from e
             feat_file = "raw/data.npz" if meta.get("binary") == "True" else "raw/node-feat.csv.gz"
+            if meta.get("binary") != "True" and not (src / feat_file).is_file():
+                feat_file = "raw/edge-feat.csv.gz"  # features derived from edge features
             return _to_graph_data(ds, ds_name, meta, add_reverse_edges, where,
-                                  str(src / feat_file))
+                                  str(src / feat_file), edge_feat_to_node, node_species)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -438,6 +582,8 @@ def load_ogb(
     *,
     add_reverse_edges: bool = False,
     work_dir: str | None = None,
+    edge_feat_to_node: str = "auto",
+    node_species: str = "none",
 ) -> GraphData:
     """Load an OGB node-property dataset into a :class:`GraphData`.
 
@@ -452,13 +598,40 @@ def load_ogb(
     ``work_dir`` is where the temporary working directory goes (default: ``root`` for named
     datasets, the system temp dir otherwise).
 
+    Node features: ``edge_feat_to_node`` "mean" / "sum" derives them from the edge features
+    (per node, the mean / sum over its incoming edges, appended to any node features);
+    "auto" does "mean" for a dataset with edge features and no node features (ogbn-proteins)
+    and nothing otherwise; "none" never. ``node_species`` "onehot" appends a one-hot of
+    ogbn-proteins' ``node_species`` (an additional node file); "none" leaves it out (it then
+    only matters through the ``species`` split files). Binary (multi-label) datasets give
+    ``task_type`` "binary" and float32 ``[N, num tasks]`` labels with NaN where unknown.
+
     Raises :class:`DatasetError` with a message naming the path and the fix.
     """
     if (name is None) == (dataset_dir is None):
         raise DatasetError("give exactly one of name (an ogbn-* dataset) or dataset_dir")
+    if edge_feat_to_node not in EDGE_FEAT_TO_NODE or node_species not in NODE_SPECIES:
+        raise DatasetError(f"edge_feat_to_node={edge_feat_to_node!r} must be one of "
+                           f"{EDGE_FEAT_TO_NODE} and node_species={node_species!r} one of "
+                           f"{NODE_SPECIES}")
     if dataset_dir is not None:
         src, meta, ds_name, where, parent = _dir_source(dataset_dir, work_dir)
     else:
         assert name is not None  # exactly one of the two is given
         src, meta, ds_name, where, parent = _named_source(name, root, work_dir)
-    return _load_staged(src, meta, ds_name, where, parent, add_reverse_edges)
+    return _load_staged(src, meta, ds_name, where, parent, add_reverse_edges,
+                        edge_feat_to_node, node_species)
+
+
+def dataset_meta(name: str | None = None, dataset_dir: str | None = None) -> dict | None:
+    """ogb's meta_dict of a dataset (``meta.json`` of a directory, or ogb's table for a
+    name), without reading or downloading anything else; None when there is none."""
+    if dataset_dir is not None:
+        try:
+            return _read_meta_json(Path(dataset_dir))
+        except DatasetError:
+            return None
+    try:
+        return _ogb_master().get(str(name))
+    except DatasetError:
+        return None

@@ -398,6 +398,9 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         seed=int(seed),
         set_id=layout.new_set_id(),
         stats=stats,
+        task_type=data.task_type,
+        num_tasks=int(data.num_tasks),
+        eval_metric=data.eval_metric,
     )
     layout.write_metadata(out, meta)
     return meta

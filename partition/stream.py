@@ -72,6 +72,12 @@ class GraphSource:
 
     def __init__(self, data: GraphData):
         data.validate()
+        if data.task_type != "multiclass":
+            raise PartitionError(
+                f"{data.name} is a {data.num_tasks}-task {data.task_type} (multi-label) "
+                "dataset; the streaming pipeline (--method fennel / ldg, or random with "
+                "--max-memory-gb) writes single-task multiclass labels only: partition it "
+                "in memory with --method metis or random and no --max-memory-gb")
         self.data = data
         self.name = data.name
         self.num_nodes = int(data.num_nodes)

@@ -112,7 +112,11 @@ CASES = {
         PartitionConfig(dataset="synthetic", synthetic=SyntheticConfig(
             num_nodes=500, raw_format="binary", labeled_frac=0.25, feat_dtype="float16"),
             **dict(PARTITION, method="fennel", halo_hops=0, max_memory_gb=2.5,
-                   stream_passes=3))]),
+                   stream_passes=3)),
+        # issue 11: the multi-label (ogbn-proteins-shaped) generator and its feature options
+        PartitionConfig(dataset="synthetic-proteins", synthetic=SyntheticConfig(
+            num_nodes=500, num_tasks=3), edge_feat_to_node="sum", node_species="onehot",
+            **PARTITION)]),
 }
 # positional arguments a CLI takes outside its config dataclass
 POSITIONAL = {PlotConfig: ["/run"]}
