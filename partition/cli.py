@@ -175,6 +175,9 @@ def _load(cfg: PartitionConfig, progress: bool):
                         num_classes=syn.num_classes, seed=cfg.seed, homophily=syn.homophily,
                         train_frac=syn.train_frac, valid_frac=syn.valid_frac,
                         progress=progress)
+    typed = _load_typed(cfg)
+    if typed is not None:
+        return typed
     from partition.ogbn import load_ogb
 
     return load_ogb(name=cfg.dataset or None, root=cfg.root,
@@ -247,6 +250,132 @@ def _refuse_multilabel_streaming(cfg: PartitionConfig) -> None:
             "no --max-memory-gb")
 
 
+def _load_typed(cfg: PartitionConfig, dataset_dir: str | None = None):
+    """A heterogeneous dataset (meta 'is hetero' True: ogbn-mag, synthetic-mag) read as a
+    typed graph by partition.hetero; None for a homogeneous one."""
+    from partition.hetero import is_hetero_source, load_hetero
+
+    name = None if dataset_dir else (cfg.dataset or None)
+    dataset_dir = dataset_dir or cfg.dataset_dir or None
+    if not is_hetero_source(name, dataset_dir):
+        if cfg.derive_features != "none":
+            raise CliError(f"--derive-features {cfg.derive_features} applies to heterogeneous "
+                           f"datasets (meta.json 'is hetero' True, e.g. ogbn-mag); "
+                           f"{cfg.dataset or cfg.dataset_dir} is homogeneous: remove it")
+        return None
+    _refuse_typed_streaming(cfg, True)
+    return load_hetero(name=name, root=cfg.root, dataset_dir=dataset_dir,
+                       add_reverse_edges=cfg.add_reverse_edges,
+                       derive_features=cfg.derive_features, work_dir=cfg.work_dir or None)
+
+
+def _refuse_typed_streaming(cfg: PartitionConfig, typed: bool | None = None) -> None:
+    """A typed (heterogeneous) graph is partitioned in memory (not streamed, for now)."""
+    if not (cfg.streaming() or cfg.max_memory_gb is not None):
+        return
+    if typed is None:
+        from partition.hetero import is_hetero_source
+
+        typed = is_hetero_source(cfg.dataset or None, cfg.dataset_dir or None)
+    if typed:
+        raise CliError(f"{cfg.dataset or cfg.dataset_dir} is a heterogeneous (typed) graph; "
+                       "the streaming pipeline (--method fennel / ldg, --max-memory-gb) handles "
+                       "homogeneous graphs only: partition it in memory with --method metis or "
+                       "random and no --max-memory-gb")
+
+
+def _run_mag(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
+    """``--dataset synthetic-mag``: generate (partition/maggen.py) into ``--raw-out`` (or a
+    temporary directory) in ogbn-mag's heterogeneous raw layout, then, with ``--out``,
+    partition it read back exactly as ``--dataset-dir`` would."""
+    import shutil
+
+    from partition.maggen import generate_mag, write_mag_raw
+
+    syn = cfg.synthetic.resolved("synthetic-mag")
+    raw_dir = cfg.synthetic.raw_out
+    tmp = None
+    if not raw_dir:
+        tmp = raw_dir = _temp_raw_dir(cfg, "mfgserve-mag-")
+    try:
+        t = time.perf_counter()
+        g = generate_mag(syn.num_nodes, feat_dim=syn.feat_dim, num_classes=syn.num_classes,
+                         train_frac=syn.train_frac, valid_frac=syn.valid_frac, seed=cfg.seed,
+                         progress=progress)
+        gen_s = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            write_mag_raw(g, raw_dir, progress=progress)
+        except OSError as e:
+            raise CliError(describe_os_error(e, f"writing ogbn-mag's raw layout to {raw_dir} "
+                                                "failed")) from e
+        write_s = time.perf_counter() - t
+        sizes = ", ".join(f"{v:,} {k}" for k, v in g.num_nodes.items())
+        print(f"{PROG}: generated {g.name} ({sizes}; "
+              f"{sum(s.size for s, _ in g.edges.values()):,} edges in 4 relations) in "
+              f"{gen_s:.1f} s, wrote OGB's heterogeneous raw layout in {write_s:.1f} s",
+              file=sys.stderr)
+        result = {"dataset": g.name, "generate_s": round(gen_s, 3),
+                  "raw_write_s": round(write_s, 3), "type_nodes": dict(g.num_nodes)}
+        if cfg.synthetic.raw_out:
+            result["raw_out"] = str(Path(raw_dir))
+            print(f"{PROG}: read it with --dataset-dir {raw_dir}", file=sys.stderr)
+        if not cfg.out:
+            return result
+        t = time.perf_counter()
+        data = _load_typed(cfg, raw_dir)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    load_s = time.perf_counter() - t
+    print(f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} directed "
+          f"edges in {load_s:.1f} s", file=sys.stderr)
+    result.update(num_nodes=data.num_nodes, num_edges=data.num_edges, load_s=round(load_s, 3))
+    result.update(_partition(cfg, data, progress, load_s, t0))
+    return result
+
+
+def _typed_lines(meta) -> list[str]:
+    """The summary lines of a typed set: types, relations, features, per-type balance."""
+    if not meta.ntypes:
+        return []
+    st = meta.stats
+    per = st.get("part_ntype_nodes", {})
+    bal = st.get("ntype_balance", {})
+    rel = st.get("relation_edges", {})
+    lines = ["  node types: " + ", ".join(
+        f"{t} {sum(per.get(t, [])):,} (balance {bal.get(t, 1.0):.3f})" for t in meta.ntypes)]
+    lines.append("  relations: " + ", ".join(
+        f"{'-'.join(e)} {rel.get('-'.join(e), 0):,}" for e in meta.etypes))
+    derived = st.get("derived_features") or {}
+    feats = ", ".join(t + (f" (mean through {derived[t]})" if t in derived else "")
+                      for t in meta.feat_ntypes)
+    lines.append(f"  predicted type: {meta.predict_ntype}; features: {feats}"
+                 + ("" if set(meta.feat_ntypes) == set(meta.ntypes) else
+                    "; the other types' rows are zeros (--derive-features mean derives them)"))
+    return lines
+
+
+def _typed_json(meta) -> dict:
+    """The JSON summary's typed-graph fields (none for a homogeneous set)."""
+    if not meta.ntypes:
+        return {}
+    st = meta.stats
+    return {"ntypes": meta.ntypes, "etypes": meta.etypes, "predict_ntype": meta.predict_ntype,
+            "feat_ntypes": meta.feat_ntypes, "ntype_balance": st.get("ntype_balance"),
+            "part_ntype_nodes": st.get("part_ntype_nodes"),
+            "derived_features": st.get("derived_features")}
+
+
+def _warn_directed(cfg: PartitionConfig, data) -> None:
+    """partition.directed's warning on stderr, when the graph looks directed."""
+    from partition.directed import directed_warning
+
+    msg = directed_warning(data, cfg.add_reverse_edges)
+    if msg:
+        print(f"{PROG}: {msg}", file=sys.stderr)
+
+
 def _write_raw(data, raw_out: str, progress: bool) -> dict:
     from partition.synthetic import write_ogb_raw
 
@@ -264,6 +393,7 @@ def _write_raw(data, raw_out: str, progress: bool) -> dict:
 def _partition(cfg: PartitionConfig, data, progress: bool, load_s: float, t0: float) -> dict:
     """Partition a graph held in memory: the in-memory pipeline, or the streaming one over
     it (--method fennel / ldg)."""
+    _warn_directed(cfg, data)
     if cfg.streaming():
         from partition.stream import GraphSource
 
@@ -292,10 +422,10 @@ def _partition_stream(cfg: PartitionConfig, source, add_reverse_edges: bool, pro
 
 def _report(cfg: PartitionConfig, meta, load_s: float, t0: float) -> dict:
     """Print the human summary (stderr); the JSON summary's partition fields."""
-    for line in _summary_lines(meta, load_s, time.perf_counter() - t0):
+    for line in _summary_lines(meta, load_s, time.perf_counter() - t0) + _typed_lines(meta):
         print(line, file=sys.stderr)
     st = meta.stats
-    return dict(
+    return _typed_json(meta) | dict(
         num_nodes=meta.num_nodes, num_edges=meta.num_edges,
         out=str(Path(cfg.out)), set_id=meta.set_id, num_parts=meta.num_parts,
         method=meta.method, feat_dim=meta.feat_dim, num_classes=meta.num_classes,
@@ -481,6 +611,7 @@ def _run_dir(cfg: PartitionConfig, progress: bool, t0: float) -> dict | None:
     if not cfg.out or not (cfg.streaming() or cfg.max_memory_gb is not None):
         return None
     _refuse_multilabel_streaming(cfg)
+    _refuse_typed_streaming(cfg)
     source = _open_raw(cfg)
     itemsize = np.dtype(source.feat_dtype).itemsize
     e = _source_edges(source, cfg.add_reverse_edges)
@@ -510,6 +641,8 @@ def _run(cfg: PartitionConfig) -> dict:
             result = _run_rmat(cfg, progress, t0)
         elif cfg.dataset == "synthetic-proteins":
             result = _run_proteins(cfg, progress, t0)
+        elif cfg.dataset == "synthetic-mag":
+            result = _run_mag(cfg, progress, t0)
         elif cfg.dataset == "synthetic" and cfg.synthetic.resolved().raw_format == "binary":
             result = _run_binary(cfg, progress, t0)
         else:

@@ -20,6 +20,10 @@ _RMAT_FALLBACKS = {"train_frac": 0.1, "valid_frac": 0.05, "raw_format": "binary"
 # --dataset synthetic-proteins (partition/proteins.py): the options it takes, its fallbacks
 _PROTEINS_OPTS = ("num_nodes", "avg_degree", "homophily", "num_tasks")
 _PROTEINS_FALLBACKS = {"avg_degree": 50.0}
+# --dataset synthetic-mag (partition/maggen.py): the options it takes, its fallbacks
+_MAG_OPTS = ("num_nodes", "feat_dim", "num_classes", "train_frac", "valid_frac", "raw_out")
+_MAG_FALLBACKS = {"feat_dim": 128, "num_classes": 16, "train_frac": 0.85, "valid_frac": 0.09}
+DERIVE_FEATURES = ("none", "mean")
 METHODS = ("metis", "random", "fennel", "ldg")
 STREAM_ONLY_METHODS = ("fennel", "ldg")
 
@@ -96,7 +100,8 @@ class SyntheticConfig:
     def resolved(self, dataset: str = "synthetic") -> SyntheticConfig:
         """A copy with every option not given set to its fallback for ``dataset``."""
         extra = (_RMAT_FALLBACKS if dataset == "rmat" else
-                 _PROTEINS_FALLBACKS if dataset == "synthetic-proteins" else {})
+                 _PROTEINS_FALLBACKS if dataset == "synthetic-proteins" else
+                 _MAG_FALLBACKS if dataset == "synthetic-mag" else {})
         return dataclasses.replace(self, **{
             f.name: extra.get(f.name, f.metadata["fallback"]) for f in dataclasses.fields(self)
             if "fallback" in f.metadata and getattr(self, f.name) is None})
@@ -113,7 +118,12 @@ class PartitionConfig:
         "graph with skewed degrees, written in OGB's binary layout and read back through ogb "
         "(see partition/rmat.py), or 'synthetic-proteins' for a generated multi-label graph "
         "shaped like ogbn-proteins (edge features, --num-tasks binary tasks, species split; "
-        "partition/proteins.py), written in OGB's raw csv layout and read back through ogb. "
+        "partition/proteins.py), written in OGB's raw csv layout and read back through ogb, "
+        "or 'synthetic-mag' for a generated heterogeneous graph shaped like ogbn-mag (4 node "
+        "types, 4 relations, features on paper only, time split; --num-nodes counts papers; "
+        "partition/maggen.py), written in OGB's heterogeneous raw layout and read back. "
+        "Heterogeneous datasets (ogbn-mag, or meta.json 'is hetero' True) become typed "
+        "partition sets (docs/partitions.md). "
         "Exactly one of --dataset / --dataset-dir is required.", metavar="NAME",
         mutex="source", mutex_required=True)
     dataset_dir: str = opt(
@@ -179,6 +189,13 @@ class PartitionConfig:
         "none", "ogbn-proteins' node_species (an additional node file): 'none' uses it only "
         "through the 'species' split, as OGB ships it; 'onehot' also appends a one-hot of "
         "each node's species to its features", choices=["none", "onehot"])
+    derive_features: str = opt(
+        "none", "heterogeneous datasets: features of the featureless node types (ogbn-mag's "
+        "author, institution, field_of_study). 'mean': each gets the mean of its neighbours' "
+        "features through the first relation joining it to a featured type, derived in rounds "
+        "(institution from its derived authors); the relation used is printed and recorded in "
+        "the metadata. 'none': their rows stay zeros (learnable embeddings in the trainer)",
+        choices=list(DERIVE_FEATURES))
     synthetic: SyntheticConfig = field(
         default_factory=SyntheticConfig,
         metadata={"help": "generated graph (--dataset synthetic or rmat)", "flatten": True})
@@ -192,8 +209,10 @@ class PartitionConfig:
         if self.num_parts < 1:
             raise ConfigError(f"--num-parts {self.num_parts}: the number of parts must be >= 1")
         self._check_memory()
-        generated = self.dataset in ("synthetic", "rmat", "synthetic-proteins")
+        generated = self.dataset in ("synthetic", "rmat", "synthetic-proteins",
+                                     "synthetic-mag")
         self._check_proteins()
+        self._check_mag()
         if self.synthetic.given() and not generated:
             raise ConfigError(f"{', '.join(self.synthetic.given())} only apply to --dataset "
                               "synthetic or rmat; remove them")
@@ -217,8 +236,30 @@ class PartitionConfig:
         elif self.dataset and not self.dataset.startswith("ogbn-"):
             raise ConfigError(
                 f"--dataset {self.dataset!r}: expected an ogbn-* name (e.g. ogbn-arxiv), "
-                "'synthetic', 'rmat' or 'synthetic-proteins'; for a local directory use "
-                "--dataset-dir DIR")
+                "'synthetic', 'rmat', 'synthetic-proteins' or 'synthetic-mag'; for a local "
+                "directory use --dataset-dir DIR")
+
+    def _check_mag(self) -> None:
+        """--dataset synthetic-mag: the options it takes; in memory only."""
+        if self.dataset in ("synthetic", "rmat", "synthetic-proteins") and (
+                self.derive_features != "none"):
+            raise ConfigError(f"--derive-features applies to heterogeneous datasets (ogbn-mag, "
+                              f"synthetic-mag), not --dataset {self.dataset}; remove it")
+        if self.dataset != "synthetic-mag":
+            return
+        odd = [g for g in self.synthetic.given() if g[2:].replace("-", "_") not in _MAG_OPTS]
+        if odd:
+            raise ConfigError(f"{', '.join(odd)} do not apply to --dataset synthetic-mag (it "
+                              "takes --num-nodes (papers), --feat-dim, --num-classes, "
+                              "--train-frac, --valid-frac); remove them")
+        if self.streaming() or self.max_memory_gb is not None:
+            raise ConfigError(
+                "--dataset synthetic-mag is a typed (heterogeneous) graph: it is partitioned in "
+                "memory (--method metis or random, no --max-memory-gb); the streaming pipeline "
+                "handles homogeneous graphs only")
+        if self.edge_feat_to_node != "auto" or self.node_species != "none":
+            raise ConfigError("--edge-feat-to-node / --node-species do not apply to --dataset "
+                              "synthetic-mag; remove them")
 
     def _check_proteins(self) -> None:
         """--dataset synthetic-proteins and the options of multi-label datasets."""

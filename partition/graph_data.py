@@ -73,11 +73,16 @@ class GraphData:
     edge_type: np.ndarray | None = None
     predict_ntype: str = ""
     feat_ntypes: list = None  # type: ignore[assignment]
+    # --derive-features: featureless type -> the relation ("src-rel-dst") its rows were
+    # derived through (partition.hetero.derive_mean_features); empty otherwise
+    feat_derived: dict = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for attr in ("ntypes", "etypes", "feat_ntypes"):
             if getattr(self, attr) is None:
                 setattr(self, attr, [])
+        if self.feat_derived is None:
+            self.feat_derived = {}
 
     @property
     def is_typed(self) -> bool:
@@ -159,7 +164,51 @@ class GraphData:
                 raise DatasetError(f"{where}: {s} split has node ids outside [0, {n})")
             if np.unique(ids).size != ids.size:
                 raise DatasetError(f"{where}: {s} split lists some node more than once")
+        if self.is_typed:
+            self._validate_types(where)
         return self
+
+    def _validate_types(self, where: str) -> None:
+        """The typed-graph invariants (see the field comments above)."""
+        n, nt, ne = int(self.num_nodes), len(self.ntypes), len(self.etypes)
+        nty, ety = self.node_type, self.edge_type
+        if not isinstance(nty, np.ndarray) or nty.dtype != np.int8 or nty.shape != (n,):
+            raise DatasetError(f"{where}: node_type must be np.int8 [{n}]")
+        if not isinstance(ety, np.ndarray) or ety.dtype != np.int16 or ety.shape != (
+                self.num_edges,):
+            raise DatasetError(f"{where}: edge_type must be np.int16 [{self.num_edges}]")
+        if n and (nty.min() < 0 or nty.max() >= nt or np.any(np.diff(nty) < 0)):
+            raise DatasetError(f"{where}: node_type must be non-decreasing within [0, {nt}) "
+                               "(each type's ids contiguous, types in ntypes order)")
+        if self.num_edges and (ety.min() < 0 or ety.max() >= ne):
+            raise DatasetError(f"{where}: edge_type spans [{ety.min()}, {ety.max()}] but "
+                               f"there are {ne} relations")
+        index = {t: i for i, t in enumerate(self.ntypes)}
+        bad = [t for t in self.etypes if len(t) != 3 or t[0] not in index or t[2] not in index]
+        if bad:
+            raise DatasetError(f"{where}: relations {bad} name node types outside {self.ntypes}")
+        if self.num_edges:
+            s_t = np.array([index[t[0]] for t in self.etypes], dtype=np.int8)
+            d_t = np.array([index[t[2]] for t in self.etypes], dtype=np.int8)
+            wrong = (nty[self.src] != s_t[ety]) | (nty[self.dst] != d_t[ety])
+            if wrong.any():
+                i = int(np.argmax(wrong))
+                raise DatasetError(f"{where}: edge {i} ({self.src[i]} -> {self.dst[i]}) does "
+                                   f"not join the types of its relation {self.etypes[ety[i]]}")
+        if self.predict_ntype not in index:
+            raise DatasetError(f"{where}: predict_ntype {self.predict_ntype!r} is not one of "
+                               f"{self.ntypes}")
+        if not set(self.feat_ntypes) <= set(index):
+            raise DatasetError(f"{where}: feat_ntypes {self.feat_ntypes} not within "
+                               f"{self.ntypes}")
+        pt = index[self.predict_ntype]
+        if np.any(self.label[nty != pt] != -1):
+            raise DatasetError(f"{where}: only {self.predict_ntype} nodes may carry labels")
+        for s in ("train", "valid", "test"):
+            ids = getattr(self, s)
+            if ids.size and np.any(nty[ids] != pt):
+                raise DatasetError(f"{where}: the {s} split holds nodes that are not "
+                                   f"{self.predict_ntype}")
 
     def _check_task(self, where: str) -> bool:
         """The task fields; True for a binary (multi-label) task."""

@@ -18,14 +18,18 @@ __all__ = ["presample_hotness", "rank_within_parts"]
 
 def presample_hotness(keys: np.ndarray, n: int, train: np.ndarray, batches: int,
                       fanouts: tuple[int, ...], batch_size: int, seed: int,
-                      progress: bool) -> np.ndarray:
-    """How often each node (new id) is an input node of sampled mini-batches of ``train``."""
+                      progress: bool, stride: int | None = None) -> np.ndarray:
+    """How often each node (new id) is an input node of sampled mini-batches of ``train``.
+
+    ``stride``: the destination's multiplier in the keys (``n``, the default; ``n * R`` for
+    a typed graph, whose relations are ignored here: it is sampled as homogeneous)."""
     import torch
 
     from common.dgl_compat import import_dgl
 
     dgl = import_dgl()
-    indptr = np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * n, side="left")
+    indptr = np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * (stride or n),
+                             side="left")
     g = dgl.graph(("csc", (torch.from_numpy(indptr), torch.from_numpy(np.remainder(keys, n)),
                            torch.empty(0, dtype=torch.int64))), num_nodes=n)
     sampler = dgl.dataloading.NeighborSampler(list(fanouts))

@@ -27,7 +27,20 @@ A partition set is a directory::
         halo_indices.npy     int64            ... as global source ids
         halo_feat.npy        [h_0, D]         features of the halo nodes
         halo_label.npy       int64 [h_0]      labels of the halo nodes
+        etype.npy            int16 [e_0]      (typed graphs only) relation id (position in
+                                              metadata etypes) of each in-edge, aligned with
+                                              indices.npy; each node's in-edge segment is
+                                              sorted by relation, then by source id
+        halo_etype.npy       int16            (typed, with a halo) the same for halo_indices
       part-1/ ...
+      node_type.npy          int8 [N]    (typed graphs only) node type (position in metadata
+                                         ntypes) of each GLOBAL id
+
+Typed (heterogeneous) graphs are the homogeneous layout plus the type arrays above (DistDGL's
+approach): original ids put each type's nodes contiguously (types in ``ntypes`` order), and
+the relabel keeps that order within a part, so a part's nodes are grouped by type. Features:
+one matrix, real rows for the types in ``feat_ntypes``, zeros for the others; labels -1
+outside ``predict_ntype``; the splits hold ``predict_ntype`` nodes only.
 
 What a halo buys: a part always stores every in-edge of its own nodes, so the first hop from
 its own seeds is sampled locally whatever the halo. With ``halo_hops = k`` it also holds the
@@ -66,8 +79,10 @@ FORMAT_NAME = "mfgserve-partitions"
 FORMAT_VERSION = 2  # 2: metadata.json carries set_id
 METADATA_FILE = "metadata.json"
 HOT_RANK_FILE = "hot_rank.npy"
+NODE_TYPE_FILE = "node_type.npy"
 PART_ARRAYS = ("indptr", "indices", "feat", "label", "orig_ids", "train", "valid", "test")
 HALO_ARRAYS = ("halo_nodes", "halo_indptr", "halo_indices", "halo_feat", "halo_label")
+TYPED_ARRAYS = ("etype", "halo_etype")  # written when given (typed graphs)
 SPLITS = ("train", "valid", "test")
 FEAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -184,7 +199,28 @@ class PartitionSetMeta:
                 f"{path} has no set_id (every version-{FORMAT_VERSION} set has one); it was not "
                 "written by partition-ogbn: re-run partition-ogbn to rewrite the set"
             )
+        meta._check_types(path)
         return meta
+
+    @property
+    def is_typed(self) -> bool:
+        return bool(self.ntypes)
+
+    def _check_types(self, path: Path) -> None:
+        """ntypes / etypes / predict_ntype / feat_ntypes agree with each other."""
+        if not self.ntypes:
+            if self.etypes or self.predict_ntype or self.feat_ntypes:
+                raise PartitionFormatError(f"{path}: etypes / predict_ntype / feat_ntypes are "
+                                           "set but ntypes is empty; re-run partition-ogbn")
+            return
+        known = set(self.ntypes)
+        bad = [t for t in self.etypes if len(t) != 3 or t[0] not in known or t[2] not in known]
+        if (bad or not self.etypes or self.predict_ntype not in known
+                or not set(self.feat_ntypes) <= known or len(self.ntypes) > 127):
+            raise PartitionFormatError(
+                f"{path}: inconsistent typed-graph metadata (ntypes {self.ntypes}, etypes "
+                f"{self.etypes}, predict_ntype {self.predict_ntype!r}, feat_ntypes "
+                f"{self.feat_ntypes}); re-run partition-ogbn")
 
 
 def new_set_id() -> str:
@@ -211,6 +247,8 @@ class Partition:
     halo_indices: np.ndarray | None = None
     halo_feat: np.ndarray | None = None
     halo_label: np.ndarray | None = None
+    etype: np.ndarray | None = None  # typed graphs: relation id of each in-edge (indices)
+    halo_etype: np.ndarray | None = None  # typed graphs with a halo: same for halo_indices
 
     @property
     def node_start(self) -> int:
@@ -252,6 +290,10 @@ def _expected_shapes(meta: PartitionSetMeta, info: PartInfo) -> dict[str, tuple[
         shapes.update(halo_nodes=(h,), halo_indptr=(h + 1,),
                       halo_indices=(info.num_halo_edges,), halo_feat=(h, d),
                       halo_label=(h, *lab))
+    if meta.ntypes:
+        shapes["etype"] = (info.num_edges,)
+        if meta.halo_hops > 0:
+            shapes["halo_etype"] = (info.num_halo_edges,)
     return shapes
 
 
@@ -288,6 +330,11 @@ def load_partition(root: str | os.PathLike, part_id: int, mmap: bool = True) -> 
                 "inconsistent: re-run partition-ogbn (with --force) to rewrite it"
             )
     _check_csc(arrays["indptr"], info.num_edges, pdir / "indptr.npy")
+    for name in ("etype", "halo_etype"):
+        if name in arrays and arrays[name].dtype != np.int16:
+            raise PartitionFormatError(
+                f"{pdir / (name + '.npy')} has dtype {arrays[name].dtype}, expected int16; "
+                "re-run partition-ogbn (with --force) to rewrite the set")
     if meta.halo_hops > 0:
         _check_csc(arrays["halo_indptr"], info.num_halo_edges, pdir / "halo_indptr.npy")
     return Partition(meta=meta, part_id=part_id, **arrays)
@@ -308,6 +355,21 @@ def load_hot_rank(root: str | os.PathLike) -> np.ndarray | None:
     return rank
 
 
+def load_node_type(root: str | os.PathLike) -> np.ndarray | None:
+    """The set's node_type.npy (int8 [N], mmap) for a typed set, None for a homogeneous one."""
+    meta = PartitionSetMeta.load(root)
+    if not meta.ntypes:
+        return None
+    path = Path(root) / NODE_TYPE_FILE
+    arr = _load_array(path, root, mmap=True)
+    if arr.shape != (meta.num_nodes,) or arr.dtype != np.int8:
+        raise PartitionFormatError(
+            f"{path} has shape {arr.shape} and dtype {arr.dtype} but the set has "
+            f"{meta.num_nodes} nodes (expected int8 [{meta.num_nodes}]); re-run partition-ogbn "
+            "(with --force) to rewrite it")
+    return arr
+
+
 def cached_mask(rank: np.ndarray, gids: np.ndarray, node_offsets: list[int],
                 cache_ratio: float) -> np.ndarray:
     """Which of ``gids`` a trainer with ``cache_ratio`` caches: rank < floor(ratio * size)."""
@@ -318,9 +380,10 @@ def cached_mask(rank: np.ndarray, gids: np.ndarray, node_offsets: list[int],
 
 
 def write_part(root: str | os.PathLike, part_id: int, arrays: dict[str, np.ndarray]) -> PartInfo:
-    """Write one part's arrays (all of PART_ARRAYS, plus HALO_ARRAYS when any is given)
-    under ``root/part-{part_id}``."""
+    """Write one part's arrays (all of PART_ARRAYS, plus HALO_ARRAYS when any is given, plus
+    the TYPED_ARRAYS given) under ``root/part-{part_id}``."""
     names = PART_ARRAYS + (HALO_ARRAYS if any(k in arrays for k in HALO_ARRAYS) else ())
+    names += tuple(k for k in TYPED_ARRAYS if k in arrays)
     missing = set(names) - set(arrays)
     if missing:
         raise ValueError(f"write_part: missing arrays {sorted(missing)}")

@@ -35,8 +35,9 @@ __all__ = ["PartitionError", "is_partition_set", "clear_partition_set", "check_o
            "staged_out", "describe_os_error"]
 
 KNOWN_FILES = (layout.METADATA_FILE, "orig_to_new.npy", layout.HOT_RANK_FILE,
-               layout.METADATA_FILE + ".tmp")
-_PART_FILES = frozenset(f"{a}.npy" for a in layout.PART_ARRAYS + layout.HALO_ARRAYS)
+               layout.NODE_TYPE_FILE, layout.METADATA_FILE + ".tmp")
+_PART_FILES = frozenset(f"{a}.npy" for a in
+                        layout.PART_ARRAYS + layout.HALO_ARRAYS + layout.TYPED_ARRAYS)
 
 
 class PartitionError(MfgServeError, ValueError):

@@ -21,6 +21,16 @@ the per-part counts; 1.0 is perfect), ``part_nodes`` / ``part_edges`` / ``part_t
 ``part_edge_cut`` (per part), ``assign_s`` / ``relabel_s`` / ``write_s`` / ``elapsed_s``
 (seconds) and ``peak_rss_bytes`` (peak resident memory of this process so far).
 
+Typed graphs (``data.is_typed``, see :mod:`partition.hetero`): METIS balances every node
+type and the training seeds (``balance_ntypes`` = node type * 2 + train mask, as DistDGL
+does), random deals each (type, seed or not) group separately; the sort key carries the
+relation, ``new_dst * (n * R) + etype * n + new_src`` (R relations), so each destination's
+in-edges come out grouped by relation (then by source) and each part also gets
+``etype.npy`` (and ``halo_etype.npy``); the set gets ``node_type.npy`` and the metadata
+``ntypes`` / ``etypes`` / ``predict_ntype`` / ``feat_ntypes``. ``meta.stats`` adds
+``part_ntype_nodes`` / ``ntype_balance`` (per type) and ``derived_features`` (type ->
+relation its features were derived through). Homogeneous graphs: R = 1, the key is unchanged.
+
 Memory: besides the input, one int64 sort key per edge (three while large key arrays are
 sorted with ``torch.sort``, which returns indices too) plus one part's arrays at a time;
 with METIS, DGL's symmetrised copy of the graph and METIS's own structures dominate.
@@ -114,7 +124,10 @@ def _metis_assign(data: GraphData, num_parts: int) -> np.ndarray:
         idtype=torch.int64,
     )
     del src, dst
-    balance = torch.from_numpy(data.train_mask().astype(np.int64))
+    balance = data.train_mask().astype(np.int64)
+    if data.is_typed:  # every (type, seed or not) group balanced, as DistDGL does
+        balance += 2 * data.node_type.astype(np.int64)
+    balance = torch.from_numpy(balance)
     if not hasattr(dgl, "metis_partition_assignment"):
         raise PartitionError(
             "this DGL has no metis_partition_assignment; install dgl==2.1.0, or choose "
@@ -143,7 +156,14 @@ def _random_assign(data: GraphData, num_parts: int, seed: int) -> np.ndarray:
     parts = np.empty(data.num_nodes, dtype=np.int64)
     mask = data.train_mask()
     offset = 0
-    for group in (np.flatnonzero(mask), np.flatnonzero(~mask)):
+    if getattr(data, "is_typed", False):  # each (type, seed or not) group dealt evenly
+        key = data.node_type.astype(np.int64) * 2 + (~mask)
+        order = np.argsort(key, kind="stable")
+        bounds = np.searchsorted(key[order], np.arange(int(key.max()) + 2))
+        groups = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    else:
+        groups = [np.flatnonzero(mask), np.flatnonzero(~mask)]
+    for group in groups:
         group = rng.permutation(group)
         parts[group] = (np.arange(group.shape[0]) + offset) % num_parts
         offset += group.shape[0]  # continue the deal where the seeds stopped
@@ -223,8 +243,9 @@ def partition_graph(
     n, num_parts = int(data.num_nodes), int(num_parts)
     if num_parts > n:
         raise PartitionError(f"num_parts={num_parts} exceeds the {n} nodes of {data.name}")
-    if n > 3_000_000_000:
-        raise PartitionError(f"{n} nodes: edge sort keys (dst * n + src) would overflow int64")
+    if n * n * _num_rel(data) >= 2**63:
+        raise PartitionError(f"{n} nodes, {_num_rel(data)} relation(s): edge sort keys "
+                             "(dst * n * R + etype * n + src) would overflow int64")
     presample = (presample_batches, presample_fanouts, presample_batch_size)
     with staged_out(out, overwrite) as tmp:
         return _write_set(data, num_parts, tmp, Path(out), method, seed, progress, halo_hops,
@@ -252,9 +273,15 @@ def _relabel_nodes(parts: np.ndarray, num_parts: int, n: int):
     return new_to_orig, orig_to_new, part_nodes, offsets
 
 
+def _num_rel(data: GraphData) -> int:
+    """R: relations of a typed graph (1 for a homogeneous one)."""
+    return max(1, len(data.etypes)) if data.is_typed else 1
+
+
 def _edge_keys(data: GraphData, orig_to_new: np.ndarray, n: int, progress: bool) -> np.ndarray:
-    """Step 2, edges: keys new_dst * n + new_src, sorted (CSC order, in-edges sorted by
-    source)."""
+    """Step 2, edges: keys new_dst * n * R + etype * n + new_src (R = 1, no etype term, for a
+    homogeneous graph), sorted (CSC order, in-edges grouped by relation, then by source)."""
+    stride = n * _num_rel(data)
     e = data.num_edges
     keys = np.empty(e, dtype=np.int64)
     bar = tqdm(
@@ -267,8 +294,10 @@ def _edge_keys(data: GraphData, orig_to_new: np.ndarray, n: int, progress: bool)
     )
     for s in range(0, e, _CHUNK):
         sl = slice(s, min(e, s + _CHUNK))
-        np.multiply(orig_to_new[data.dst[sl]], n, out=keys[sl])
+        np.multiply(orig_to_new[data.dst[sl]], stride, out=keys[sl])
         keys[sl] += orig_to_new[data.src[sl]]
+        if data.is_typed:
+            keys[sl] += data.edge_type[sl].astype(np.int64) * n
         bar.update(sl.stop - sl.start)
     bar.close()
     return _sort_keys(keys)
@@ -277,7 +306,9 @@ def _edge_keys(data: GraphData, orig_to_new: np.ndarray, n: int, progress: bool)
 def _part_arrays(data: GraphData, keys: np.ndarray, n: int, lo_n: int, hi_n: int,
                  new_to_orig: np.ndarray, splits_new: dict[str, np.ndarray]):
     """(arrays, edge cut) of the part owning new ids [lo_n, hi_n), halo excluded."""
-    bounds = np.searchsorted(keys, np.arange(lo_n, hi_n + 1, dtype=np.int64) * n, side="left")
+    r = _num_rel(data)
+    bounds = np.searchsorted(keys, np.arange(lo_n, hi_n + 1, dtype=np.int64) * (n * r),
+                             side="left")
     lo_e, hi_e = int(bounds[0]), int(bounds[-1])
     indptr = bounds - lo_e
     indices = np.empty(hi_e - lo_e, dtype=np.int64)
@@ -287,12 +318,16 @@ def _part_arrays(data: GraphData, keys: np.ndarray, n: int, lo_n: int, hi_n: int
         indices[s - lo_e : s - lo_e + chunk.shape[0]] = chunk
         cut += int(np.count_nonzero((chunk < lo_n) | (chunk >= hi_n)))
     orig_ids = new_to_orig[lo_n:hi_n]
+    typed = {}
+    if data.is_typed:
+        typed["etype"] = ((keys[lo_e:hi_e] // n) % r).astype(np.int16)
     arrays = {
         "indptr": indptr,
         "indices": indices,
         "feat": data.feat[orig_ids],
         "label": data.label[orig_ids],
         "orig_ids": orig_ids,
+        **typed,
     }
     for s in layout.SPLITS:
         ids = splits_new[s]
@@ -306,7 +341,8 @@ def _write_parts(out: Path, shown: Path, data: GraphData, keys: np.ndarray,
                  splits_new: dict[str, np.ndarray], halo_hops: int, progress: bool):
     """Step 3, parts: write every part; return (part infos, per-part edge cut)."""
     n, num_parts = int(data.num_nodes), int(offsets.shape[0]) - 1
-    g_indptr = (np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * n, side="left")
+    r = _num_rel(data)
+    g_indptr = (np.searchsorted(keys, np.arange(n + 1, dtype=np.int64) * (n * r), side="left")
                 if halo_hops else None)
     infos, part_cut = [], []
     for p in tqdm(
@@ -316,7 +352,7 @@ def _write_parts(out: Path, shown: Path, data: GraphData, keys: np.ndarray,
         arrays, cut = _part_arrays(data, keys, n, lo_n, hi_n, new_to_orig, splits_new)
         if halo_hops:
             arrays.update(halo_arrays(keys, g_indptr, n, lo_n, hi_n, halo_hops, data,
-                                      new_to_orig))
+                                      new_to_orig, num_etypes=r if data.is_typed else 0))
         infos.append(layout.write_part(out, p, arrays))
         part_cut.append(cut)
         del arrays
@@ -324,13 +360,13 @@ def _write_parts(out: Path, shown: Path, data: GraphData, keys: np.ndarray,
 
 
 def _hotness(keys: np.ndarray, n: int, train: np.ndarray, presample: tuple, seed: int,
-             progress: bool) -> np.ndarray | None:
+             progress: bool, stride: int | None = None) -> np.ndarray | None:
     """Pre-sampled hotness counts, or None when ``presample`` asks for no batches or there
-    are no training seeds."""
+    are no training seeds (a typed graph sampled as homogeneous: ``stride`` = n * R)."""
     presample_batches, presample_fanouts, presample_batch_size = presample
     if presample_batches > 0 and train.size:
         return presample_hotness(keys, n, train, presample_batches, presample_fanouts,
-                                 presample_batch_size, seed, progress)
+                                 presample_batch_size, seed, progress, stride=stride)
     return None
 
 
@@ -361,6 +397,21 @@ def _stats(e: int, part_nodes: np.ndarray, infos: list, part_cut: list[int],
     }
 
 
+def _type_stats(data: GraphData, new_to_orig: np.ndarray, offsets: np.ndarray) -> dict:
+    """Per-type node counts per part and their balance; relation sizes; derived features."""
+    nt = len(data.ntypes)
+    per = [np.bincount(data.node_type[new_to_orig[lo:hi]].astype(np.int64), minlength=nt)
+           for lo, hi in zip(offsets[:-1], offsets[1:])]
+    counts = np.array(per, dtype=np.int64).reshape(-1, nt)
+    rel = np.bincount(data.edge_type.astype(np.int64), minlength=len(data.etypes))
+    return {
+        "part_ntype_nodes": {t: counts[:, i].tolist() for i, t in enumerate(data.ntypes)},
+        "ntype_balance": {t: _balance(counts[:, i]) for i, t in enumerate(data.ntypes)},
+        "relation_edges": {"-".join(t): int(rel[i]) for i, t in enumerate(data.etypes)},
+        "derived_features": dict(data.feat_derived),
+    }
+
+
 def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: str, seed: int,
                progress: bool, halo_hops: int, presample: tuple, t0: float) -> PartitionSetMeta:
     """Steps 1-3 of the module docstring, into the (new, empty) directory ``out``; ``shown``
@@ -375,13 +426,18 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
     splits_new = {s: np.sort(orig_to_new[data.split(s)]) for s in layout.SPLITS}  # 3. write
     infos, part_cut = _write_parts(out, shown, data, keys, offsets, new_to_orig, splits_new,
                                    halo_hops, progress)
-    hot = _hotness(keys, n, splits_new["train"], presample, seed, progress)
+    hot = _hotness(keys, n, splits_new["train"], presample, seed, progress,
+                   stride=n * _num_rel(data))
     del keys
     layout.save_array(out / "orig_to_new.npy", orig_to_new)
+    if data.is_typed:
+        layout.save_array(out / layout.NODE_TYPE_FILE, data.node_type[new_to_orig])
     if hot is not None:
         layout.save_array(out / layout.HOT_RANK_FILE, rank_within_parts(hot, offsets))
     t_write = time.perf_counter()
     stats = _stats(e, part_nodes, infos, part_cut, (t0, t_assign, t_relabel, t_write))
+    if data.is_typed:
+        stats.update(_type_stats(data, new_to_orig, offsets))
     meta = PartitionSetMeta(
         dataset=data.name,
         num_parts=num_parts,
@@ -402,5 +458,10 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         num_tasks=int(data.num_tasks),
         eval_metric=data.eval_metric,
     )
+    if data.is_typed:
+        meta.ntypes = list(data.ntypes)
+        meta.etypes = [list(t) for t in data.etypes]
+        meta.predict_ntype = data.predict_ntype
+        meta.feat_ntypes = list(data.feat_ntypes)
     layout.write_metadata(out, meta)
     return meta

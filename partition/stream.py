@@ -78,6 +78,11 @@ class GraphSource:
                 "dataset; the streaming pipeline (--method fennel / ldg, or random with "
                 "--max-memory-gb) writes single-task multiclass labels only: partition it "
                 "in memory with --method metis or random and no --max-memory-gb")
+        if data.is_typed:
+            raise PartitionError(
+                f"{data.name} is a typed (heterogeneous) graph; the streaming pipeline "
+                "(--method fennel / ldg, or random with --max-memory-gb) handles homogeneous "
+                "graphs only: partition it in memory with --method metis or random")
         self.data = data
         self.name = data.name
         self.num_nodes = int(data.num_nodes)

@@ -116,7 +116,10 @@ CASES = {
         # issue 11: the multi-label (ogbn-proteins-shaped) generator and its feature options
         PartitionConfig(dataset="synthetic-proteins", synthetic=SyntheticConfig(
             num_nodes=500, num_tasks=3), edge_feat_to_node="sum", node_species="onehot",
-            **PARTITION)]),
+            **PARTITION),
+        # issue 11: the ogbn-mag-shaped (typed) generator and --derive-features
+        PartitionConfig(dataset="synthetic-mag", synthetic=SyntheticConfig(
+            num_nodes=500, feat_dim=8, num_classes=4), derive_features="mean", **PARTITION)]),
 }
 # positional arguments a CLI takes outside its config dataclass
 POSITIONAL = {PlotConfig: ["/run"]}
