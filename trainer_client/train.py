@@ -1,7 +1,9 @@
 """One trainer process: DDP over the servers' mini-batches, evaluation, and the JSON summary.
 
-The summary (a dict; rank 0 prints it as one JSON line) reports accuracy (``test_acc`` at the
-epoch of best ``valid_acc``), throughput (``seeds_per_s`` over all ranks' training time) and
+The summary (a dict; rank 0 prints it as one JSON line) reports the dataset's eval metric
+(``eval_metric``: ``test_acc`` at the epoch of best ``valid_acc``; for multi-label datasets
+such as ogbn-proteins ``test_rocauc`` / ``valid_rocauc``, ROC-AUC as ogb computes it, see
+trainer_client/metrics.py), throughput (``seeds_per_s`` over all ranks' training time) and
 per-stage seconds summed over the run (``stages``: server sample / gather / remote / encode,
 trainer wait / decode-to-MFG / host-to-device / forward-backward), and names the run
 directory and its files (``run_dir``, ``files``).
@@ -32,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -58,6 +59,7 @@ from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, m
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.inference import full_graph_eval
 from trainer_client.loader import DistNodeDataLoader
+from trainer_client.metrics import Task, gather_rows, loss_fn, rocauc, task_of
 from trainer_client.models import build_model
 from trainer_client.node_embedding import NodeEmbedding
 from trainer_client.run_dir import (
@@ -274,6 +276,12 @@ class Run:
     emb: NodeEmbedding | None = None  # --node-emb-dim > 0
     best_state: dict | None = None  # rank 0: the best model's tensors (for checkpoints)
     show: bool = False
+    task: Task = field(default_factory=Task)  # the set's task: loss and metric (metrics.py)
+
+    @property
+    def metric(self) -> str:
+        """The dataset's eval metric ("acc" or "rocauc"): valid_<metric> / test_<metric>."""
+        return self.task.eval_metric
 
     @property
     def writer(self) -> bool:
@@ -302,7 +310,13 @@ class EpochResult:
     clipped_steps: int = 0
 
 
-HISTORY_KEYS = ("epoch", "loss", "lr", "valid_acc", "test_acc", "eval")
+HISTORY_KEYS = ("epoch", "loss", "lr", "valid_acc", "test_acc", "valid_rocauc",
+                "test_rocauc", "eval")
+
+
+def empty_best(metric: str) -> dict:
+    """FitState.best before any evaluation, keyed by the dataset's metric."""
+    return {f"valid_{metric}": -1.0, f"test_{metric}": 0.0, "epoch": -1}
 
 
 def _inputs(run: Run, mfg) -> Tensor:
@@ -315,8 +329,11 @@ def _inputs(run: Run, mfg) -> Tensor:
 
 @torch.no_grad()
 def evaluate(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
-    """Sampled-MFG accuracy over ``loader``'s seeds (all ranks together)."""
+    """Sampled-MFG accuracy over ``loader``'s seeds (all ranks together); for binary tasks
+    ROC-AUC as ogb computes it over every rank's predictions of the split."""
     run.model.eval()
+    if run.task.binary:
+        return _evaluate_rocauc(run, loader, desc)
     correct = total = 0
     for _, _, mfg in _progress(loader, run.show, desc=desc):
         logits = run.model(mfg, _inputs(run, mfg))
@@ -327,11 +344,27 @@ def evaluate(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     return c / max(t, 1.0)
 
 
+def _evaluate_rocauc(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
+    """ROC-AUC of the whole split: every rank's logits and labels gathered, then scored once
+    (rank 0 scores, the others get the value with the sum collective)."""
+    preds, labels = [], []
+    for _, _, mfg in _progress(loader, run.show, desc=desc):
+        preds.append(run.model(mfg, _inputs(run, mfg)).float())
+        labels.append(mfg[-1].dstdata["label"].float())
+    t = run.task.num_tasks
+    pred = torch.cat(preds) if preds else torch.empty((0, t), device=run.device)
+    label = torch.cat(labels).to(pred.device) if labels else torch.empty((0, t),
+                                                                          device=run.device)
+    pred, label = gather_rows(pred, run.ddp.world_size), gather_rows(label, run.ddp.world_size)
+    score = rocauc(label.cpu().numpy(), pred.cpu().numpy()) if run.ddp.rank == 0 else 0.0
+    return _all_sum([score], run.ddp, run.device)[0]
+
+
 def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int) -> None:
     """One mini-batch: forward, backward (DDP averages the gradients), checks, clip, step."""
     t0 = time.perf_counter()
     logits = run.net(mfg, _inputs(run, mfg))
-    loss = F.cross_entropy(logits, mfg[-1].dstdata["label"])
+    loss = loss_fn(run.task, logits, mfg[-1].dstdata["label"])
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     value = float(loss.detach())
@@ -387,30 +420,32 @@ def _epoch_totals(run: Run, fit: FitState, before: list[float], epoch_s: float,
 
 
 def _evaluate_epoch(run: Run, fit: FitState, epoch: int, record: dict) -> None:
-    """Validation/test accuracy into ``record``; best model and early-stopping state."""
-    cfg = run.cfg
+    """Validation/test metric (the dataset's: valid_acc / valid_rocauc, ...) into
+    ``record``; best model and early-stopping state."""
+    cfg, m = run.cfg, run.metric
     if cfg.eval == "full":
         record.update(_full_eval(run))
     else:
         for split, loader in run.eval_loaders.items():
-            record[f"{split}_acc"] = evaluate(run, loader, split)
+            record[f"{split}_{m}"] = evaluate(run, loader, split)
     record["eval"] = cfg.eval
-    valid = record.get("valid_acc", 0.0)
-    improved = valid > fit.best["valid_acc"]
+    valid = record.get(f"valid_{m}", 0.0)
+    improved = valid > fit.best[f"valid_{m}"]
     if improved:
-        fit.best = {"valid_acc": valid, "test_acc": record.get("test_acc", 0.0), "epoch": epoch}
+        fit.best = {f"valid_{m}": valid, f"test_{m}": record.get(f"test_{m}", 0.0),
+                    "epoch": epoch}
         if run.writer:
             run.best_state = model_state(run.model)
             _write_best(run, fit)
     if fit.early.update(improved) and epoch < cfg.epochs - 1:
-        log.info("rank %d: early stopping after epoch %d: no better valid_acc in %d "
-                 "evaluations (best %.4f at epoch %d)", run.ddp.rank, epoch, cfg.patience,
-                 fit.best["valid_acc"], fit.best["epoch"])
+        log.info("rank %d: early stopping after epoch %d: no better valid_%s in %d "
+                 "evaluations (best %.4f at epoch %d)", run.ddp.rank, epoch, m, cfg.patience,
+                 fit.best[f"valid_{m}"], fit.best["epoch"])
 
 
 def _write_best(run: Run, fit: FitState) -> None:
     save_best_model(run.files.best_model, run.best_state or {}, run.spec, fit.best["epoch"],
-                    fit.best["valid_acc"], run.info.set_id, run.info.dataset)
+                    fit.best[f"valid_{run.metric}"], run.info.set_id, run.info.dataset)
 
 
 def _full_eval(run: Run) -> dict:
@@ -544,9 +579,12 @@ def _plan_run(cfg: TrainerConfig, ddp: DDPSetup, device, info) -> tuple[dict, di
     return plan, ckpt
 
 
-def _model_spec(cfg: TrainerConfig, info) -> dict:
+def _model_spec(cfg: TrainerConfig, info, task: Task | None = None) -> dict:
+    """The model: its output width is the number of classes, or of tasks (one logit per
+    binary task)."""
+    out = task.num_tasks if task is not None and task.binary else info.num_classes
     spec = {"name": cfg.model, "in_feats": info.feat_dim + cfg.node_emb_dim, "hidden": cfg.hidden,
-            "num_classes": info.num_classes, "num_layers": len(cfg.fanouts),
+            "num_classes": out, "num_layers": len(cfg.fanouts),
             "dropout": cfg.dropout}
     if cfg.model == "gat":
         spec["heads"] = cfg.gat_heads
@@ -596,7 +634,12 @@ def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info, run_dir: str):
 
 def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, plan: dict,
                ring) -> Run:
-    spec = _model_spec(cfg, info)
+    task = task_of(pool, info)
+    if task.binary and cfg.eval == "full":
+        raise ConfigError(
+            f"--eval full (layer-wise inference) measures accuracy, but dataset {info.dataset} "
+            f"has {task.num_tasks} binary tasks evaluated by ROC-AUC: use --eval sampled")
+    spec = _model_spec(cfg, info, task)
     model = build_model(spec).to(device)
     net = DDP(model) if ddp.world_size > 1 else model
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -609,13 +652,13 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
                eval_loaders=evals, splits=splits, cache=cache, files=files,
                ckpt=Checkpointer(plan["checkpoint_dir"], cfg.checkpoint_every, ddp.rank == 0),
                emb=_make_embedding(cfg, pool, info, plan["run_dir"]),
-               show=bars_allowed(cfg.progress, ddp.launcher_tty) and ddp.rank == 0)
+               show=bars_allowed(cfg.progress, ddp.launcher_tty) and ddp.rank == 0, task=task)
 
 
 def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
     """A fresh FitState, or the checkpoint's state loaded into the run; rank 0 prepares the
     run directory (config.json; on resume, metrics.jsonl cut back to the checkpoint)."""
-    fit = FitState(early=EarlyStopping(run.cfg.patience))
+    fit = FitState(early=EarlyStopping(run.cfg.patience), best=empty_best(run.metric))
     if ckpt is not None:
         run.model.load_state_dict(ckpt["model"])
         run.opt.load_state_dict(ckpt["optimizer"])
@@ -664,9 +707,13 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
     pool.close()
     bytes_rx = _all_sum([pool.bytes_received], ddp, device)[0]
     epochs_done = fit.history[-1]["epoch"] + 1 if fit.history else 0
+    m = run.metric
     return {
-        "test_acc": round(fit.best["test_acc"], 4),
-        "valid_acc": round(fit.best["valid_acc"], 4),
+        f"test_{m}": round(fit.best[f"test_{m}"], 4),
+        f"valid_{m}": round(fit.best[f"valid_{m}"], 4),
+        "eval_metric": m,
+        "task_type": run.task.task_type,
+        "num_tasks": run.task.num_tasks,
         "best_epoch": fit.best["epoch"],
         "epochs": cfg.epochs,
         "epochs_done": epochs_done,
