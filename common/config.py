@@ -30,6 +30,9 @@ from common.errors import ConfigError
 from common.limits import MAX_FANOUT, MAX_LAYERS
 
 MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")  # trainer_client.models.build_model
+HETERO_MODEL_NAMES = ("rsage",)  # typed models (trainer_client.hetero_model)
+# --model: "auto" is rsage on a typed partition set, sage on a homogeneous one
+TRAINER_MODELS = ("auto",) + MODEL_NAMES + HETERO_MODEL_NAMES
 LR_SCHEDULES = ("none", "step", "cosine")
 EVAL_MODES = ("sampled", "full")
 
@@ -151,7 +154,9 @@ class TrainerConfig:
         "(the hottest, ranked by partition-ogbn's pre-sampling); servers skip sending them")
     node_emb_dim: int = opt(
         0, "width of a learnable embedding per node, held on the sampler servers and "
-        "concatenated to the input features (DistDGL's DistEmbedding); 0 turns it off")
+        "concatenated to the input features (DistDGL's DistEmbedding); 0 turns it off. On a "
+        "typed partition set it is the input of each featureless node type (not in the set's "
+        "feat_ntypes) instead of its zero rows; featured types keep their features")
     node_emb_lr: float = opt(
         0.01, "learning rate of the node embeddings' sparse Adam (run on the servers)")
     feat_transfer: str = opt(
@@ -185,8 +190,17 @@ class TrainerConfig:
         "current directory. With --resume and neither --run-dir nor --checkpoint-dir: the "
         "newest run under ./runs that has a checkpoint")
     model: str = opt(
-        "sage", "model: sage (GraphSAGE, mean aggregation), gcn, gat (plain torch) or dgl-sage "
-        "(dgl.nn.SAGEConv through Block.to_dgl(); needs dgl)", choices=MODEL_NAMES)
+        "auto", "model: sage (GraphSAGE, mean aggregation), gcn, gat (plain torch), dgl-sage "
+        "(dgl.nn.SAGEConv through Block.to_dgl(); needs dgl), or rsage (relational GraphSAGE "
+        "over typed MFGs: one linear per relation, mean per relation, summed, self loop per "
+        "node type; any partition set); auto: rsage on a typed (heterogeneous) partition set, "
+        "sage otherwise", choices=TRAINER_MODELS)
+    rel_fanouts: str = opt(
+        "", "typed partition sets: per-relation fanouts, one group per layer (input layer "
+        "first) separated by '/', each 'REL=N' pairs separated by ':' (REL: a relation name "
+        "of the set's etypes, e.g. 'writes=10:cites=5/writes=5:cites=3'); a relation not "
+        "named takes that layer's --fanouts value, 0 samples none of it. Empty: --fanouts "
+        "for every relation")
     gat_heads: int = opt(4, "attention heads per GAT layer (--model gat)")
     patience: int = opt(
         0, "early stopping: stop after this many evaluations (every --eval-every epochs) "
@@ -235,6 +249,7 @@ class TrainerConfig:
         if not self.cluster:
             raise ConfigError("trainer-client needs --cluster FILE.yaml (server endpoints)")
         _check_fanouts(self.fanouts, "--fanouts")
+        parse_rel_fanouts(self.rel_fanouts, self.fanouts)
         if self.eval_fanouts:
             _check_fanouts(self.eval_fanouts, "--eval-fanouts")
             if len(self.eval_fanouts) != len(self.fanouts):
@@ -269,7 +284,7 @@ class TrainerConfig:
 
     def _validate_controls(self) -> None:
         """The training controls, run directory and checkpoint options."""
-        for name, value, accepted in (("model", self.model, MODEL_NAMES),
+        for name, value, accepted in (("model", self.model, TRAINER_MODELS),
                                       ("lr-schedule", self.lr_schedule, LR_SCHEDULES),
                                       ("eval", self.eval, EVAL_MODES)):
             if value not in accepted:
@@ -288,9 +303,39 @@ class TrainerConfig:
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise ConfigError(f"--grad-clip must be a finite number >= 0 (0: off), got "
                               f"{self.grad_clip}")
+        if self.eval == "full" and self.model == "rsage":
+            raise ConfigError("--eval full (layer-wise inference) does not run typed models "
+                              "(--model rsage); use --eval sampled")
         if self.eval == "full" and self.node_emb_dim > 0:
             raise ConfigError("--eval full reads the served features only, not the learnable "
                               "node embedding of --node-emb-dim; use --eval sampled with it")
+
+
+def parse_rel_fanouts(text: str, fanouts: list[int]) -> list[dict[str, int]]:
+    """``--rel-fanouts`` as one {relation name: fanout} dict per layer (empty text: no
+    per-relation fanouts, ``[]``); a malformed value is a ConfigError naming the option."""
+    if not text:
+        return []
+    layers = text.split("/")
+    if len(layers) != len(fanouts):
+        raise ConfigError(f"--rel-fanouts must have one '/'-separated group per layer like "
+                          f"--fanouts {fanouts} ({len(fanouts)}), got {len(layers)} in {text!r}")
+    out = []
+    for group in layers:
+        layer: dict[str, int] = {}
+        for pair in (p for p in group.split(":") if p):
+            name, eq, value = pair.partition("=")
+            try:
+                f = int(value)
+            except ValueError:
+                f = -2
+            if not eq or not name or not (f == -1 or 0 <= f <= MAX_FANOUT) or name in layer:
+                raise ConfigError(f"--rel-fanouts: {pair!r} in {text!r} must be REL=N with a "
+                                  f"relation name given once per layer and N -1 (all) or "
+                                  f"0..{MAX_FANOUT}, e.g. 'writes=10:cites=5/writes=5:cites=3'")
+            layer[name] = f
+        out.append(layer)
+    return out
 
 
 @dataclass

@@ -55,6 +55,9 @@ TRAINER = TrainerConfig(
     deterministic_sampling=False, batch_locality="part")
 # --node-emb-dim cannot go with --eval full (full evaluation reads only the served features)
 TRAINER_EMB = dataclasses.replace(TRAINER, eval="sampled", node_emb_dim=8, node_emb_lr=0.5)
+# issue 11: typed sets: the relational model and per-relation fanouts (--eval full refused)
+TRAINER_TYPED = dataclasses.replace(TRAINER, eval="sampled", model="rsage",
+                                    rel_fanouts="writes=5:cites=-1/cites=0/rev_writes=2")
 DDP = DDPConfig(rank=2, world_size=4, local_rank=1, master_addr="10.0.0.9", master_port=29777,
                 ddp_timeout_s=60.5, done_file="/d", launcher_tty=True)
 
@@ -81,14 +84,16 @@ PARTITION = dict(root="/r", num_parts=3, method="random", halo_hops=2, presample
 # every config dataclass: (its CLI's parser module, instances that together set every field)
 CASES = {
     ServerConfig: ("sampler_server.main", [SERVER]),
-    TrainerConfig: ("trainer_client.main", [TRAINER, TRAINER_EMB]),
+    TrainerConfig: ("trainer_client.main", [TRAINER, TRAINER_EMB, TRAINER_TYPED]),
     DDPConfig: ("trainer_client.main", [DDP]),
     WorkerModeConfig: ("deploy.worker_mode", [
         WorkerModeConfig(parts="/p", **WORKER),
         # --infer needs one server per part (the layer outputs are held on the servers)
         WorkerModeConfig(dataset_dir="/d", **dict(WORKER, infer=True, servers_per_part=1)),
         WorkerModeConfig(parts="/p", **dict(WORKER, trainer=_unset(
-            TRAINER_EMB, "cluster", "summary_out", "curve_secret_key")))]),
+            TRAINER_EMB, "cluster", "summary_out", "curve_secret_key"))),
+        WorkerModeConfig(parts="/p", **dict(WORKER, trainer=_unset(
+            TRAINER_TYPED, "cluster", "summary_out", "curve_secret_key")))]),
     ServerNodeConfig: ("deploy.server_node", [ServerNodeConfig(cluster="/c", **NODE),
                                               ServerNodeConfig(cluster_out="/o", **NODE)]),
     InferConfig: ("deploy.infer_cli", [InferConfig(

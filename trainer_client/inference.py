@@ -85,6 +85,7 @@ def load_model_file(path: str | os.PathLike) -> dict:
 def check_model(saved: dict, info, path: str = "the model file") -> None:
     """Refuse a model that does not fit the served graph, naming each difference."""
     spec = saved["model_spec"]
+    refuse_typed(spec.get("name", ""), info, path)
     diff = []
     if spec.get("in_feats") != info.feat_dim:
         diff.append(f"input features {spec.get('in_feats')} (the servers' feature dim is "
@@ -99,6 +100,18 @@ def check_model(saved: dict, info, path: str = "the model file") -> None:
         raise ConfigError(f"{path} was trained for another graph: {'; '.join(diff)}. Start "
                           "the servers on the partition set it was trained on, or pass its "
                           "model file")
+
+
+def refuse_typed(model_name: str, info, what: str = "the model") -> None:
+    """Layer-wise inference runs homogeneous models over homogeneous sets only: a typed model
+    (rsage) or a typed partition set is refused, naming what to use instead."""
+    ntypes = [t.name for t in getattr(info, "ntypes", [])]
+    if model_name == "rsage" or ntypes:
+        where = (f"partition set {info.dataset} is typed (node types {ntypes})" if ntypes
+                 else f"{what} is a typed model (rsage)")
+        raise ConfigError(f"layer-wise inference (--eval full, mfgserve-infer) does not run "
+                          f"typed graphs or models yet: {where}; evaluate with --eval sampled "
+                          "(sampled mini-batches of the valid/test seeds)")
 
 
 def model_from_file(saved: dict, device: torch.device) -> nn.Module:
@@ -393,7 +406,11 @@ def full_graph_eval(model: nn.Module, pool, info, splits: dict[str, Tensor], *,
                     max_message_bytes: int = 512 << 20) -> dict[str, float]:
     """``--eval full``: validation and test accuracy of ``model``'s full-graph output
     (layer-wise inference, the last layer over the valid and test nodes only). Every rank
-    calls it; the result is the same on all. The model's train/eval mode is kept."""
+    calls it; the result is the same on all. The model's train/eval mode is kept. Typed
+    sets and models are refused (:func:`refuse_typed`)."""
+    from trainer_client.hetero_model import RelGraphSAGE
+
+    refuse_typed("rsage" if isinstance(model, RelGraphSAGE) else "", info)
     job = LayerwiseInference(model, pool, info, batch_size=batch_size, device=device,
                              rank=rank, world_size=world_size, progress=progress,
                              max_message_bytes=max_message_bytes)

@@ -14,6 +14,11 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
   order (see :func:`shard_batches`); the guarantees above still hold.
 * A batch goes to a server of the part owning most of its seeds; that server samples across
   part boundaries, so the MFG does not depend on which part received it.
+* ``hetero``: batches are :class:`~common.mfg.HeteroMFG` s (typed MFGs; a homogeneous set
+  gives the one-type case), seeds of ``seed_ntype``, requests carrying ``rel_fanouts`` (per
+  layer one fanout per relation id) on a typed set. With the shared-memory ring the servers
+  write every node type's rows into the one slot, type after type in node-set order; each
+  NodeSet's ``num_rows`` says how many are its own (sampler_server/sample_worker.py).
 * ``deterministic`` (the default): batch i of an epoch carries the sample seed
   ``derive_seed(seed, epoch, rank, i)`` (a resend to another replica keeps it), so its MFG
   is the same in every run with the same seed: a run resumed at epoch k samples exactly what
@@ -33,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from common.messages import MFGReply, SampleRequest, derive_seed
-from common.mfg import MFG
+from common.messages import MFGReply, RelFanouts, SampleRequest, derive_seed
+from common.mfg import MFG, HeteroMFG
 from common.rpc import expect
 from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
@@ -113,8 +118,16 @@ def shard_batches(seeds: Tensor, batch_size: int, rank: int, world_size: int, *,
     return batches
 
 
-def mfg_tensors(mfg: MFG) -> list[Tensor]:
+def mfg_tensors(mfg: MFG | HeteroMFG) -> list[Tensor]:
     """Every tensor an MFG holds (ids, per-block CSC, src/dst data)."""
+    if isinstance(mfg, HeteroMFG):
+        out = [*mfg.input_nodes.values(), mfg.output_nodes]
+        for hb in mfg.blocks:
+            for b in hb.rels.values():
+                out += [b.indptr, b.indices]
+            for side in (hb.srcdata, hb.dstdata):
+                out += [v for d in side.values() for v in d.values()]
+        return out
     out = [mfg.input_nodes, mfg.output_nodes]
     for b in mfg.blocks:
         out += [b.indptr, b.indices, *b.srcdata.values(), *b.dstdata.values()]
@@ -128,7 +141,9 @@ class DistNodeDataLoader:
                  device: torch.device | str = "cpu", with_label: bool = True,
                  feat_transfer: str = "", cache: FeatureCache | None = None,
                  cache_ratio: float = 0.0, ring: ShmRing | None = None,
-                 deterministic: bool = True, batch_locality: str = "global"):
+                 deterministic: bool = True, batch_locality: str = "global",
+                 hetero: bool = False, rel_fanouts: list[list[int]] | None = None,
+                 seed_ntype: str | None = None):
         self.pool = pool
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
@@ -147,6 +162,14 @@ class DistNodeDataLoader:
         self.cache = cache
         self.cache_ratio = cache_ratio if cache is not None else 0.0
         self.ring = ring
+        self.hetero, self.seed_ntype = hetero, seed_ntype
+        self.rel_fanouts = RelFanouts.table(rel_fanouts) if rel_fanouts else []
+        if rel_fanouts and len(rel_fanouts) != len(self.fanouts):
+            raise ValueError(f"rel_fanouts needs one row per layer ({len(self.fanouts)}), "
+                             f"got {len(rel_fanouts)}")
+        if hetero and cache is not None:
+            raise ValueError("the feature cache does not serve typed MFGs (hetero); run "
+                             "without --cache-ratio")
         self.no_ring: set[str] = set()  # servers that said they cannot use the ring
         self.epoch = 0
         self.stats = LoaderStats()
@@ -179,7 +202,8 @@ class DistNodeDataLoader:
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
                             cache_ratio=self.cache_ratio, sample_seed=self.sample_seed(index),
-                            max_reply_bytes=self.pool.max_message_bytes)
+                            max_reply_bytes=self.pool.max_message_bytes,
+                            rel_fanouts=self.rel_fanouts)
         offered: list[int] = []
 
         def offer(endpoint: str, msg: SampleRequest) -> SampleRequest:
@@ -240,10 +264,51 @@ class DistNodeDataLoader:
             event.record(self.copy_stream)
         self.ring.release(slot, event)  # type: ignore[union-attr]
 
-    def _to_mfg(self, reply: MFGReply, slot: int | None, handle: Handle) -> MFG:
+    def _typed_features(self, reply: MFGReply, slot: int | None, handle: Handle
+                        ) -> dict[str, Tensor]:
+        """Each node type's input features (hetero): its frame, or its share of the ring
+        slot (the types' rows one after the other, in node-set order)."""
+        ring = self.ring
+        sets = reply.mfg.nodes
+        if slot is not None and handle.attempts > 1:
+            ring.poison(slot)  # type: ignore[union-attr]  # see _features
+            slot = None
+        endpoint = handle.channel.endpoint
+        errors = [ns.feat.slot_error for ns in sets if ns.feat.slot_error]
+        if errors and endpoint not in self.no_ring:
+            log.warning("server %s cannot use this trainer's shared-memory ring; its replies "
+                        "come over the socket: %s", endpoint, errors[0])
+            self.no_ring.add(endpoint)
+        if any(ns.feat.present.numel() for ns in sets):
+            raise RuntimeError("a server left out cached features of a typed MFG; this "
+                               "loader has no feature cache for typed MFGs")
+        via_ring = [ns.feat.via == FEAT_RING for ns in sets]
+        if not any(via_ring):
+            if slot is not None:
+                ring.release(slot)  # type: ignore[union-attr]
+            return {ns.ntype: ns.feat.rows for ns in sets}
+        if slot is None:
+            raise RuntimeError("a server wrote features into a ring slot this trainer did not "
+                               "offer it")
+        if not all(via_ring):
+            raise RuntimeError("a server sent some node types' features in the ring slot and "
+                               "others on the wire; expected all in one place")
+        self.stats.ring_hits += 1
+        f0 = sets[0].feat
+        sizes = [ns.feat.num_rows for ns in sets]
+        rows = ring.view(slot, sum(sizes), f0.rows.shape[1],  # type: ignore[union-attr]
+                         f0.rows.dtype, self._release)
+        return {ns.ntype: part for ns, part in zip(sets, torch.split(rows, sizes))}
+
+    def _to_mfg(self, reply: MFGReply, slot: int | None, handle: Handle) -> MFG | HeteroMFG:
         """Decode the reply into an MFG and start its copy to the device (non-blocking)."""
         t0 = time.perf_counter()
-        mfg = MFG.of(reply.mfg, self._features(reply, slot, handle))
+        mfg: MFG | HeteroMFG
+        if self.hetero:
+            mfg = HeteroMFG.of(reply.mfg, self._typed_features(reply, slot, handle),
+                               seed_ntype=self.seed_ntype)
+        else:
+            mfg = MFG.of(reply.mfg, self._features(reply, slot, handle))
         t1 = time.perf_counter()
         self.stats.decode_s += t1 - t0
         if self.copy_stream is not None:
@@ -257,7 +322,7 @@ class DistNodeDataLoader:
         self.stats.h2d_s += time.perf_counter() - t1
         return mfg
 
-    def _finish(self, mfg: MFG) -> MFG:
+    def _finish(self, mfg: MFG | HeteroMFG) -> MFG | HeteroMFG:
         """Wait (host side, timed) for the batch's copy; the part not hidden shows here."""
         event = getattr(mfg, "ready", None)
         if event is not None:

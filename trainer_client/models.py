@@ -11,6 +11,9 @@ rebuilds the same module for inference)::
 * ``gat``: :class:`GATConv` layers, what ``dgl.nn.GATConv`` computes (no feature/attention
   dropout, no residual); ``hidden`` is the width per head, hidden layers concatenate their
   ``heads`` heads (``hidden * heads`` wide) and the last layer averages them.
+* ``rsage``: relational GraphSAGE over typed MFGs (:class:`trainer_client.hetero_model.
+  RelGraphSAGE`; its spec is that module's, see :func:`~trainer_client.hetero_model.
+  check_hetero_spec`): ``forward(mfg, x)`` with a HeteroMFG and a dict of inputs per type.
 * ``dgl-sage``: ``dgl.nn.SAGEConv("mean")`` layers applied to ``block.to_dgl()``: the path for
   models written against DGL (CPU, needs DGL); the same state-dict keys as ``sage``.
 
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.config import MODEL_NAMES  # the --model choices; one list for both
+from common.config import HETERO_MODEL_NAMES, MODEL_NAMES  # the --model choices
 from common.errors import ConfigError
 from common.mfg import Block
 from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate
@@ -167,13 +170,17 @@ def check_spec(spec: dict) -> dict:
     that is missing, unknown or out of range and what it accepts."""
     if not isinstance(spec, dict):
         raise ConfigError(f"model spec must be a dict, got {type(spec).__name__}")
+    if spec.get("name") in HETERO_MODEL_NAMES:
+        from trainer_client.hetero_model import check_hetero_spec
+
+        return check_hetero_spec(spec)
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise ConfigError(f"model spec: unknown key(s) {unknown}; accepted: {list(SPEC_KEYS)}")
     name = spec.get("name")
     if name not in MODEL_NAMES:
-        raise ConfigError(f"model spec: 'name' must be one of {list(MODEL_NAMES)}, "
-                          f"got {name!r}")
+        raise ConfigError(f"model spec: 'name' must be one of "
+                          f"{list(MODEL_NAMES + HETERO_MODEL_NAMES)}, got {name!r}")
     out: dict = {"name": name}
     for key in _INT_KEYS:
         out[key] = _check_int(spec, key)
@@ -187,8 +194,13 @@ def check_spec(spec: dict) -> dict:
 
 
 def build_model(spec: dict) -> nn.Module:
-    """The model ``spec`` describes (see the module docstring), freshly initialised."""
+    """The model ``spec`` describes (see the module docstring; ``rsage``: a typed model,
+    trainer_client.hetero_model's spec), freshly initialised."""
     s = check_spec(spec)
+    if s["name"] in HETERO_MODEL_NAMES:
+        from trainer_client.hetero_model import build_hetero_model
+
+        return build_hetero_model(s)
     args = (s["in_feats"], s["hidden"], s["num_classes"], s["num_layers"], s["dropout"])
     if s["name"] == "gat":
         return GAT(*args, heads=s["heads"])
