@@ -224,3 +224,19 @@ def test_csv_is_gzip_text(prot_dir):
     with gzip.open(prot_dir / "raw" / "node-label.csv.gz", "rt") as f:
         first = f.readline().strip().split(",")
     assert len(first) == 5 and set(first) <= {"0", "1"}
+
+
+def test_ogbn_proteins_by_name_offline(tmp_path):
+    """--dataset ogbn-proteins with the raw files already under --root (as its zip unpacks:
+    the species file is raw/species.csv.gz, which ogb renames): read with ogb's own meta."""
+    src = tmp_path / "gen"
+    write_proteins_raw(generate_proteins(300, avg_degree=6, num_tasks=112, seed=4), src)
+    dst = tmp_path / "root" / "ogbn_proteins"
+    shutil.copytree(src / "raw", dst / "raw")
+    shutil.copytree(src / "split", dst / "split")
+    (dst / "raw" / "node_species.csv.gz").rename(dst / "raw" / "species.csv.gz")
+    (dst / "RELEASE_v1.txt").write_text("v1")
+    g = load_ogb(name="ogbn-proteins", root=str(tmp_path / "root"))
+    assert (g.task_type, g.num_tasks, g.eval_metric, g.feat_dim) == ("binary", 112, "rocauc", 8)
+    assert np.array_equal(g.label, _read(src / "raw" / "node-label.csv.gz").astype(np.float32))
+    assert (dst / "raw" / "species.csv.gz").is_file()  # the source is never written

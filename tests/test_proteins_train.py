@@ -111,12 +111,15 @@ def _worker(args: list[str], tmp: Path, timeout: float = 200) -> subprocess.Comp
                           stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("num_parts,tasks", [(1, 112), (2, 6), (4, 6)])
-def test_worker_mode_trains_multilabel(sets, tmp_path, num_parts, tasks):
+@pytest.mark.parametrize("num_parts,tasks,extra", [
+    (1, 112, []), (2, 6, ["--cache-ratio", "0.5"]), (4, 6, ["--feat-transfer", "float16"])])
+def test_worker_mode_trains_multilabel(sets, tmp_path, num_parts, tasks, extra):
+    """Through the shared-memory ring (worker mode's default), the feature cache and fp16
+    feature transfer: labels are unaffected by how features travel."""
     parts = _set(sets["root"], num_parts, tasks)
     proc = _worker(["--parts", str(parts), "--num-trainers", "2", "--epochs", "1",
                     "--fanouts", "5,5", "--batch-size", "64", "--hidden", "16",
-                    "--work-dir", str(tmp_path / "w"), "--no-progress"], tmp_path)
+                    "--work-dir", str(tmp_path / "w"), "--no-progress", *extra], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["eval_metric"] == "rocauc" and summary["num_tasks"] == tasks
@@ -125,6 +128,9 @@ def test_worker_mode_trains_multilabel(sets, tmp_path, num_parts, tasks):
     metrics = [json.loads(ln) for ln in
                Path(summary["files"]["metrics"]).read_text().splitlines()]
     assert "test_rocauc" in metrics[-1] and np.isfinite(metrics[-1]["loss"])
+    assert summary["shm_ring"]["used"]
+    if "--cache-ratio" in extra:
+        assert summary["cache"]["rows_from_cache"] > 0
 
 
 def test_full_eval_is_refused_for_multilabel(sets, tmp_path):
