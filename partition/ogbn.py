@@ -14,6 +14,17 @@ Either way the raw files are staged into a private, writable working directory
 writes a ``processed/`` cache next to ``raw/``, the source may be read-only, and a stale
 cache written by an older torch would not load under ``torch.load(weights_only=True)``.
 The working directory is removed afterwards.
+
+Tasks: single-task multiclass datasets (labels int64, -1 unlabelled) and binary
+classification with any number of tasks (multi-label, e.g. ogbn-proteins: labels float32
+``[N, num tasks]``, NaN unknown; the set's metric is ogb's ``rocauc``). Heterogeneous
+datasets are not read here (partition/hetero.py). A dataset without node features but with
+edge features (ogbn-proteins: ``has_node_attr`` False, ``raw/edge-feat.csv.gz``) gets node
+features from them (``edge_feat_to_node``: per node the mean or sum of its incoming edges'
+features; with ogb's inverse edges that is every incident edge). ``node_species``, an
+additional node file of ogbn-proteins, is read by ogb as shipped (``raw/species.csv.gz`` in the
+zip is renamed by ogb, in the private working copy) and by default used only through the
+``species`` split files; ``node_species="onehot"`` appends it to the features as a one-hot.
 """
 
 from __future__ import annotations
