@@ -18,7 +18,10 @@ from common.limits import MAX_FANOUT, MAX_LAYERS
 from common.message_base import Message, MsgType, check_set_id
 from common.sampled_mfg import SampledMFG
 from common.shm_ring import SlotRef
-from common.structs import MAX_ID  # noqa: F401 (re-exported)
+from common.structs import (
+    MAX_ID,  # noqa: F401 (re-exported)
+    Struct,
+)
 from common.structs import check_ids as _check_ids
 from common.structs import check_unique as _check_unique
 from common.structs import need as _need
@@ -37,8 +40,9 @@ from common.tensor_messages import (  # noqa: F401 (re-exported)
 
 # 2: partition-set ids (set_id), Shutdown token; 3: nested structs: the MFG reply carries a
 # SampledMFG, SAMPLE's ring slot is one SlotRef; 4: STATUS, seeded sampling (SAMPLE
-# sample_seed, NEIGHBORS seed), node tensor optimizer state, SAMPLE without features
-PROTOCOL_VERSION = 4
+# sample_seed, NEIGHBORS seed), node tensor optimizer state, SAMPLE without features;
+# 5: typed graphs: SAMPLE rel_fanouts (per-relation fanouts), NEIGHBORS etype
+PROTOCOL_VERSION = 5
 FEAT_TRANSFER_DTYPES = {"": None, "float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}
 
@@ -50,7 +54,19 @@ def _check_fanouts(fanouts: list[int]) -> None:
           f"each fanout must be -1 or 1..{MAX_FANOUT}, got {fanouts}")
 
 
+def _check_rel_fanouts(rel: list[RelFanouts], layers: int) -> None:
+    if not rel:
+        return
+    _need(len(rel) == layers, "bad_field",
+          f"rel_fanouts must have one entry per layer (as fanouts: {layers}), got {len(rel)}")
+    widths = {len(r.fanouts) for r in rel}
+    _need(len(widths) == 1, "bad_field",
+          "rel_fanouts must give every layer the same number of relations (one per relation "
+          f"id of the partition set's etypes), got {[len(r.fanouts) for r in rel]}")
+
+
 _check_set_id = check_set_id
+MAX_RELATIONS = 1024  # relations of a typed set (etype.npy is int16)
 MAX_SAMPLE_SEED = 2**63 - 1
 
 
@@ -98,8 +114,33 @@ class Pong(Message):
 
 
 @dataclass
+class RelFanouts(Struct):
+    """One layer's fanout per relation of a typed partition set: ``fanouts[r]`` for relation
+    id r (position in the set's ``etypes``); -1 takes every in-neighbour through r, 0 none."""
+
+    fanouts: list[int]
+
+    def check(self) -> None:
+        _need(1 <= len(self.fanouts) <= MAX_RELATIONS, "bad_field",
+              f"rel_fanouts: each layer needs 1..{MAX_RELATIONS} fanouts (one per relation), "
+              f"got {len(self.fanouts)}")
+        _need(all(f == -1 or 0 <= f <= MAX_FANOUT for f in self.fanouts), "bad_field",
+              f"rel_fanouts: each fanout must be -1 or 0..{MAX_FANOUT}, got {self.fanouts}")
+
+    @staticmethod
+    def table(per_layer: list[list[int]]) -> list[RelFanouts]:
+        """``[[f_r for each relation r] for each layer, input layer first]`` as the field."""
+        return [RelFanouts(list(f)) for f in per_layer]
+
+
+@dataclass
 class SampleRequest(Message):
-    """Sample a full MFG for ``seeds`` (global ids). ``fanouts`` lists the input layer first."""
+    """Sample a full MFG for ``seeds`` (global ids). ``fanouts`` lists the input layer first.
+
+    Typed partition sets: the seeds must all be of one node type; ``rel_fanouts`` (one
+    :class:`RelFanouts` per layer, input layer first, one fanout per relation id of the set's
+    ``etypes``) sets each relation's fanout; empty: ``fanouts[l]`` for every relation of layer
+    l. A homogeneous set refuses ``rel_fanouts``."""
 
     TYPE = MsgType.SAMPLE
     seeds: Tensor
@@ -118,6 +159,7 @@ class SampleRequest(Message):
     # The largest reply the trainer accepts (its --max-message-mb): ZeroMQ drops a larger
     # message and the connection with it, so the server answers too_large instead. 0: any.
     max_reply_bytes: int = 0
+    rel_fanouts: list[RelFanouts] = field(default_factory=list)  # typed sets; see above
 
     def check(self) -> None:
         _check_set_id(self.set_id)
@@ -128,6 +170,7 @@ class SampleRequest(Message):
         _need(self.seeds.numel() > 0, "bad_tensor", "seeds must not be empty")
         _check_unique(self.seeds, "seeds")
         _check_fanouts(self.fanouts)
+        _check_rel_fanouts(self.rel_fanouts, len(self.fanouts))
         _need(self.feat_dtype in FEAT_TRANSFER_DTYPES, "bad_field",
               f"feat_dtype must be one of {sorted(FEAT_TRANSFER_DTYPES)}, got {self.feat_dtype!r}")
         _need(0.0 <= self.cache_ratio <= 1.0, "bad_field",
@@ -147,17 +190,22 @@ class MFGReply(Message):
 @dataclass
 class NeighborsRequest(Message):
     """Sample up to ``fanout`` in-neighbours of each of ``nodes`` (all owned by the receiver);
-    ``seed`` >= 0 makes the sample a function of (nodes, fanout, seed), -1 is unseeded."""
+    ``seed`` >= 0 makes the sample a function of (nodes, fanout, seed, etype), -1 is
+    unseeded. ``etype`` >= 0 (typed sets): only in-edges of that relation id; -1: all."""
 
     TYPE = MsgType.NEIGHBORS_REQ
     nodes: Tensor
     fanout: int
     set_id: str = ""
     seed: int = -1
+    etype: int = -1
 
     def check(self) -> None:
         _check_set_id(self.set_id)
         _check_sample_seed(self.seed, "seed")
+        _need(-1 <= self.etype < MAX_RELATIONS, "bad_field",
+              f"etype must be -1 (all relations) or a relation id in [0, {MAX_RELATIONS}), "
+              f"got {self.etype}")
         _check_ids(self.nodes, "nodes")
         _check_unique(self.nodes, "nodes")
         _check_fanouts([self.fanout])

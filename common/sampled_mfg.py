@@ -18,6 +18,16 @@ first; :meth:`SampledMFG.check` holds the ones across structs):
   are all of ``nodes[t].ids``; the output nodes (seeds) are the last layer's destinations.
 * CSC: relation r's sampled in-edges of destination i (of its dst type) are
   ``indices[indptr[i]:indptr[i+1]]``, positions among its src type's sources.
+
+Typed MFGs as the sampler servers build them (sampler_server/neighbor_sampler.py
+``sample_typed_mfg``): ``nodes`` has one NodeSet per node type of the partition set, in the
+set's ``ntypes`` order (a type with no node in this batch has empty ids), and every layer has
+one Relation per relation of the set, in relation id order (``etype`` = the relation's name),
+empty where nothing was sampled. The seeds are of one node type: that NodeSet's output nodes,
+and the only NodeSet with labels. Features travel per NodeSet; with a shared-memory ring slot
+all NodeSets share the request's one slot: their rows lie in it one after the other in
+node-set order (type 0's ``num_rows`` rows, then type 1's, ...; in the cached mode only each
+type's present rows), so NodeSet t's rows start at the sum of the earlier sets' ``num_rows``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,13 @@ thread, process or replica serves the request (sampler_server/seeded_sampler.py)
 halos it is even the same whichever part's server receives it; with halos a server samples
 the halo nodes it holds itself, under its own part's seed (the loader sends a batch to the
 same part every time, so its MFG still repeats).
+
+Typed sets (:func:`sample_typed_mfg`): each hop samples every relation whose destination
+type has nodes in the frontier, with that relation's fanout, through the same local / halo /
+peer split (a peer gets ``NeighborsRequest(etype=r)``); relation r of hop h on part p samples
+under ``derive_seed(sample_seed, hop, part, r)``. All sources of a hop are relabelled
+together (destinations first, as above), then split by node type, which keeps the prefix rule
+per type.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import Tensor
 
 from common.errors import BadRequestError
 from common.messages import derive_seed
-from common.sampled_mfg import Layer, SampledMFG
+from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
 from sampler_server.partition_store import PartitionStore, merge_neighbors
 
 
@@ -35,7 +42,7 @@ class Peers(Protocol):
     """Requests to the servers of other partitions; each call sends all, then waits for all."""
 
     def sample_neighbors(self, requests: dict[int, Tensor], fanout: int,
-                         seeds: dict[int, int] | None = None
+                         seeds: dict[int, int] | None = None, etype: int = -1
                          ) -> dict[int, tuple[Tensor, Tensor]]: ...
 
     def gather(self, requests: dict[int, Tensor], with_feat: bool, with_label: bool
@@ -120,19 +127,21 @@ class DistributedNeighbors:
                 "start it with --cluster")
         return remote
 
-    def sample(self, nodes: Tensor, fanout: int, sample_seed: int = -1, hop: int = 0
-               ) -> tuple[Tensor, Tensor]:
-        """(counts, src) for unique ``nodes`` of any part, in the order of ``nodes``; with
-        ``sample_seed`` >= 0 a function of (nodes, fanout, sample_seed, hop)."""
+    def sample(self, nodes: Tensor, fanout: int, sample_seed: int = -1, hop: int = 0,
+               etype: int = -1) -> tuple[Tensor, Tensor]:
+        """(counts, src) for unique ``nodes`` of any part, in the order of ``nodes`` (through
+        relation ``etype`` only, when >= 0); with ``sample_seed`` >= 0 a function of (nodes,
+        fanout, sample_seed, hop, etype)."""
         groups = self._split(nodes)
         remote = self._remote(groups, nodes)
-        seeds = {p: derive_seed(sample_seed, hop, p) if sample_seed >= 0 else -1
+        rel = () if etype < 0 else (etype,)
+        seeds = {p: derive_seed(sample_seed, hop, p, *rel) if sample_seed >= 0 else -1
                  for p in groups}
         results: dict[int, tuple[Tensor, Tensor]] = {}
         if remote:
             t0 = time.perf_counter()
             results.update(self.peers.sample_neighbors(  # type: ignore[union-attr]
-                remote, fanout, seeds))
+                remote, fanout, seeds, etype))
             self.timings.remote_s += time.perf_counter() - t0
             self.timings.remote_requests += len(remote)
         own = groups.get(self.store.part_id)
@@ -140,7 +149,7 @@ class DistributedNeighbors:
             t0 = time.perf_counter()
             results[self.store.part_id] = self.store.sample_neighbors(
                 nodes if len(groups) == 1 else nodes.index_select(0, own), fanout,
-                seeds[self.store.part_id])
+                seeds[self.store.part_id], etype)
             self.timings.sample_s += time.perf_counter() - t0
         if len(groups) == 1:
             return results[next(iter(groups))]
@@ -175,7 +184,7 @@ class DistributedNeighbors:
             feat_dim = self.store.feat.shape[1]
             feat = out if out is not None and with_feat else torch.empty(
                 (nodes.numel() if with_feat else 0, feat_dim), dtype=self.store.feat.dtype)
-            label = self.store.empty_label(nodes.numel() if with_label else 0)
+            label = torch.empty(nodes.numel() if with_label else 0, dtype=torch.int64)
             for p, pos in groups.items():
                 f, lab = results[p]
                 if with_feat:
@@ -205,3 +214,68 @@ def sample_mfg(seeds: Tensor, fanouts: list[int], neighbors: DistributedNeighbor
         nodes = all_nodes
     layers.reverse()
     return SampledMFG.homogeneous(nodes, layers)
+
+
+def _by_type(nt: np.ndarray, ntypes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bounds): ``order[bounds[t]:bounds[t + 1]]`` are the positions of type t's
+    nodes in ``nt``, in their order (a stable counting sort of the int8 types)."""
+    order = np.argsort(nt, kind="stable")
+    bounds = np.zeros(ntypes + 1, dtype=np.int64)
+    np.cumsum(np.bincount(nt, minlength=ntypes), out=bounds[1:])
+    return order, bounds
+
+
+def sample_typed_mfg(seeds: Tensor, rel_fanouts: list[list[int]],
+                     neighbors: DistributedNeighbors, sample_seed: int = -1) -> SampledMFG:
+    """:func:`sample_mfg` for a typed set: ``rel_fanouts[l][r]`` is relation r's fanout in
+    layer l (input layer first; 0: not sampled). ``seeds`` (unique) share one node type. The
+    MFG has one NodeSet per node type of the set (ids only: features and labels are the
+    caller's) and, per layer, one Relation per relation of the set (CSC over its destination
+    type's destinations, indices among its source type's sources). The bookkeeping runs in
+    numpy (single-threaded, no per-op overhead worth counting on a few 10k ids)."""
+    store = neighbors.store
+    meta = store.meta
+    tid = {t: i for i, t in enumerate(meta.ntypes)}
+    rels = [(tid[s], name, tid[d]) for s, name, d in meta.etypes]
+    ntypes = len(meta.ntypes)
+    node_type = store.node_type.numpy()
+    nodes = seeds
+    nt = node_type[seeds.numpy()]
+    order, bounds = _by_type(nt, ntypes)
+    layers = []
+    for hop, fans in enumerate(reversed(rel_fanouts)):
+        num_dst = np.diff(bounds).tolist()
+        sampled = []
+        for r, (_, _, d) in enumerate(rels):
+            if fans[r] == 0 or num_dst[d] == 0:
+                sampled.append((torch.zeros(num_dst[d], dtype=torch.int64),
+                                torch.zeros(0, dtype=torch.int64)))
+            else:
+                pos = torch.from_numpy(order[bounds[d]:bounds[d + 1]])
+                sampled.append(neighbors.sample(nodes.index_select(0, pos), fans[r],
+                                                sample_seed, hop, etype=r))
+        t0 = time.perf_counter()
+        srcs = [src.numpy() for _, src in sampled]
+        all_nodes, src_local = relabel(nodes, torch.from_numpy(np.concatenate(srcs)),
+                                       neighbors.scratch)
+        nt = np.concatenate([nt, node_type[all_nodes.numpy()[nodes.numel():]]])
+        order, bounds = _by_type(nt, ntypes)
+        # each node's position among the nodes of its own type (stable: the prefix rule)
+        typed_pos = np.empty(nt.size, dtype=np.int64)
+        typed_pos[order] = np.arange(nt.size) - np.repeat(bounds[:-1], np.diff(bounds))
+        local = typed_pos[src_local.numpy()]
+        out, at = [], 0
+        for (s, name, d), (counts, src) in zip(rels, sampled):
+            indptr = torch.zeros(num_dst[d] + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=indptr[1:])
+            out.append(Relation(indptr, torch.from_numpy(local[at:at + src.numel()]), s, d,
+                                name))
+            at += src.numel()
+        layers.append(Layer(np.diff(bounds).tolist(), num_dst, out))
+        neighbors.timings.sample_s += time.perf_counter() - t0
+        nodes = all_nodes
+    layers.reverse()
+    ids = nodes.numpy()
+    return SampledMFG([NodeSet(torch.from_numpy(ids[order[bounds[t]:bounds[t + 1]]]),
+                               Features.none(), torch.empty(0, dtype=torch.int64), ntype=name)
+                       for t, name in enumerate(meta.ntypes)], layers)

@@ -4,10 +4,20 @@ Local operations only (no networking): sample in-neighbours of owned nodes with 
 sampler (or, for a request with a sample seed, reproducibly: sampler_server/seeded_sampler.py),
 and gather owned nodes' features/labels. Arrays come from the partition set's
 memory-mapped ``.npy`` files, so several processes on a node share the page cache.
+
+Typed sets (partition/layout.py: node_type.npy, etype.npy, halo_etype.npy) sample one
+relation at a time (``sample_neighbors(..., etype=r)``): a destination's in-edge segment is
+sorted by relation, so relation r's in-edges of destination v are one run of it, found by a
+vectorised binary search over the etypes of the requested rows' segments (no per-relation copy
+of the graph; nothing held but the memory maps). Those runs are sampled by
+sampler_server/seeded_sampler.py, with the request's seed or, unseeded, a fresh random one per
+call (DGL's C++ sampler needs a CSC per relation). ``etype=-1`` samples all in-edges as for a
+homogeneous set.
 """
 
 from __future__ import annotations
 
+import secrets
 import warnings
 
 import numpy as np
@@ -17,14 +27,38 @@ from torch import Tensor
 from common.dgl_compat import import_dgl
 from common.errors import BadRequestError
 from common.messages import derive_seed
-from partition.layout import Partition, load_partition
-from sampler_server.seeded_sampler import sample_csc
+from partition.layout import Partition, load_node_type, load_partition
+from sampler_server.seeded_sampler import sample_csc, sample_runs
 
 
 def _as_tensor(a: np.ndarray) -> Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only mmap; never written
         return torch.from_numpy(a)
+
+
+def relation_runs(indptr: np.ndarray, etype: np.ndarray, rows: np.ndarray, r: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(start, deg) of relation ``r``'s run in each of ``rows``' in-edge segments
+    ``[indptr[v], indptr[v + 1])``, whose etypes are sorted: two lower-bound binary searches,
+    each vectorised over all rows (log2(max degree) + 1 numpy steps)."""
+    lo, hi = indptr[rows].astype(np.int64), indptr[rows + 1].astype(np.int64)
+    start = _lower_bound(etype, lo, hi, r)
+    end = _lower_bound(etype, start, hi, r + 1)
+    return start, end - start
+
+
+def _lower_bound(etype: np.ndarray, lo: np.ndarray, hi: np.ndarray, r: int) -> np.ndarray:
+    """Per row, the first position in [lo, hi) whose etype is >= r (hi if none)."""
+    last = max(etype.shape[0] - 1, 0)
+    while True:
+        act = lo < hi
+        if not act.any():
+            return lo
+        mid = (lo + hi) >> 1
+        less = np.asarray(etype[np.minimum(mid, last)]) < r
+        lo = np.where(act & less, mid + 1, lo)
+        hi = np.where(act & ~less, mid, hi)
 
 
 def merge_neighbors(n: int, groups: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -65,6 +99,13 @@ class PartitionStore:
             self.halo_graph = self._sampling_graph(p.halo_indptr, p.halo_indices)
             self.halo_feat = _as_tensor(p.halo_feat)
             self.halo_label = _as_tensor(p.halo_label)
+        self.typed = self.meta.is_typed
+        if self.typed:  # see the module docstring
+            self.node_type = _as_tensor(load_node_type(root))  # type: ignore[arg-type]
+            self.num_etypes = len(self.meta.etypes)
+            self._etype = {id(self.graph): p.etype}
+            if self.has_halo:
+                self._etype[id(self.halo_graph)] = p.halo_etype
         self.dgl.seed(seed)
 
     def _sampling_graph(self, indptr: np.ndarray, indices: np.ndarray):
@@ -119,10 +160,18 @@ class PartitionStore:
         halo_pos = torch.nonzero(halo).flatten()
         return own_pos, gids[own_pos] - self.start, halo_pos, hpos[halo_pos]
 
-    def _sample(self, graph, local: Tensor, fanout: int, seed: int = -1
+    def node_types(self, gids: Tensor) -> Tensor:
+        """Node type (position in the set's ntypes, int8) of each global id (typed sets)."""
+        return self.node_type.index_select(0, gids)
+
+    def _sample(self, graph, local: Tensor, fanout: int, seed: int = -1, etype: int = -1
                 ) -> tuple[Tensor, Tensor]:
         if local.numel() == 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        if etype >= 0:
+            indptr, indices = self._csc[id(graph)]
+            start, deg = relation_runs(indptr, self._etype[id(graph)], local.numpy(), etype)
+            return sample_runs(start, deg, indices, fanout, seed)
         if seed >= 0:
             return sample_csc(*self._csc[id(graph)], local, fanout, seed)
         sg = self.dgl.sampling.sample_neighbors(graph, {"dst": local}, fanout)
@@ -145,25 +194,44 @@ class PartitionStore:
         deg = indptr.index_select(0, local + 1) - indptr.index_select(0, local)
         return deg if fanout == -1 else deg.clamp(max=fanout)
 
-    def sample_neighbors(self, nodes: Tensor, fanout: int, seed: int = -1
+    def check_etype(self, etype: int) -> None:
+        """A relation id this set has (or -1: all in-edges); else a clear error."""
+        if etype == -1:
+            return
+        if not self.typed:
+            raise BadRequestError(
+                f"etype {etype} asked for, but partition set {self.meta.set_id} "
+                f"({self.meta.dataset}) is homogeneous: send etype -1")
+        if not 0 <= etype < self.num_etypes:
+            raise BadRequestError(
+                f"etype {etype} is not a relation id of partition set {self.meta.dataset}: it "
+                f"has {self.num_etypes} relations (0..{self.num_etypes - 1}: "
+                f"{self.meta.etypes})")
+
+    def sample_neighbors(self, nodes: Tensor, fanout: int, seed: int = -1, etype: int = -1
                          ) -> tuple[Tensor, Tensor]:
         """Uniformly sample up to ``fanout`` in-neighbours (without replacement; -1: all) of
-        each node in ``nodes`` (unique global ids, each owned or in the halo).
+        each node in ``nodes`` (unique global ids, each owned or in the halo); with ``etype``
+        >= 0 (typed sets) only through relation ``etype``.
 
         Returns ``(counts, src)``: ``counts[i]`` = min(in-degree, fanout) and the sampled
         sources (global ids) of ``nodes[i]`` concatenated in the order of ``nodes``.
-        ``seed`` >= 0: the sample is a function of (nodes, fanout, seed), the same in every
-        thread, process and replica; -1: DGL's sampler with this process's random stream.
+        ``seed`` >= 0: the sample is a function of (nodes, fanout, seed, etype), the same in
+        every thread, process and replica; -1: DGL's sampler with this process's random
+        stream (one relation: a fresh random seed, see the module docstring).
         """
+        self.check_etype(etype)
+        if etype >= 0 and seed < 0:
+            seed = secrets.randbits(63)
         if self.all_owned(nodes):
-            return self._sample(self.graph, nodes - self.start, fanout, seed)
+            return self._sample(self.graph, nodes - self.start, fanout, seed, etype)
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         if halo_pos.numel() == 0:
-            return self._sample(self.graph, own_local, fanout, seed)
+            return self._sample(self.graph, own_local, fanout, seed, etype)
         halo_seed = derive_seed(seed, 1) if seed >= 0 else -1  # its own stream
         return merge_neighbors(nodes.numel(), [
-            (own_pos, *self._sample(self.graph, own_local, fanout, seed)),
-            (halo_pos, *self._sample(self.halo_graph, halo_local, fanout, halo_seed))])
+            (own_pos, *self._sample(self.graph, own_local, fanout, seed, etype)),
+            (halo_pos, *self._sample(self.halo_graph, halo_local, fanout, halo_seed, etype))])
 
     def gather(self, nodes: Tensor, with_feat: bool, with_label: bool,
                out: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -183,13 +251,13 @@ class PartitionStore:
             else:
                 feat = self.feat.index_select(0, local)
             label = (self.label.index_select(0, local) if with_label
-                     else self.empty_label(0))
+                     else torch.empty(0, dtype=torch.int64))
             return feat, label
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         n = nodes.numel()
         feat = (out if out is not None and with_feat else
                 torch.empty((n if with_feat else 0, self.feat.shape[1]), dtype=self.feat.dtype))
-        label = self.empty_label(n if with_label else 0)
+        label = torch.empty(n if with_label else 0, dtype=torch.int64)
         if halo_pos.numel() == 0:
             if with_feat:
                 torch.index_select(self.feat, 0, own_local, out=feat)
@@ -203,11 +271,6 @@ class PartitionStore:
             label[own_pos] = self.label.index_select(0, own_local)
             label[halo_pos] = self.halo_label.index_select(0, halo_local)
         return feat, label
-
-    def empty_label(self, n: int) -> Tensor:
-        """An uninitialised label tensor for ``n`` nodes, of the part's label dtype and row
-        shape: int64 ``[n]`` (multiclass) or float32 ``[n, num_tasks]`` (binary tasks)."""
-        return torch.empty((n, *self.label.shape[1:]), dtype=self.label.dtype)
 
     def seeds(self, split: str) -> Tensor:
         return _as_tensor(np.ascontiguousarray(getattr(self.part, split)))

@@ -42,13 +42,14 @@ class WirePeers:
         return self.replicas.bytes_received
 
     def sample_neighbors(self, requests: dict[int, Tensor], fanout: int,
-                         seeds: dict[int, int] | None = None
+                         seeds: dict[int, int] | None = None, etype: int = -1
                          ) -> dict[int, tuple[Tensor, Tensor]]:
-        """Each part's sample of its nodes; ``seeds[p]`` (>= 0) makes part p's reproducible
-        (a resend to another replica carries the same seed)."""
+        """Each part's sample of its nodes (through relation ``etype`` only when >= 0);
+        ``seeds[p]`` (>= 0) makes part p's reproducible (a resend to another replica carries
+        the same seed)."""
         seeds = seeds or {}
         replies = self.replicas.scatter_gather(
-            {p: NeighborsRequest(nodes=n, fanout=fanout, seed=seeds.get(p, -1))
+            {p: NeighborsRequest(nodes=n, fanout=fanout, seed=seeds.get(p, -1), etype=etype)
              for p, n in requests.items()}, NeighborsReply)
         return {p: (r.counts, r.src) for p, r in replies.items()}
 

@@ -4,6 +4,14 @@ A :class:`SampleWorker` owns what must not be shared between threads or processe
 sockets to peer servers, its relabel scratch buffer and its map of trainers' shared-memory
 rings. The partition itself (:class:`PartitionStore`) is read-only and memory-mapped, so
 threads share one object and processes share the page cache.
+
+Typed sets: the MFG has one NodeSet per node type (sampler_server/neighbor_sampler.py's
+sample_typed_mfg). Each NodeSet's features travel like a homogeneous MFG's (frames or ring,
+fp16/bf16 transfer, the cache's present-mask per NodeSet over its own ids); with a ring slot
+all NodeSets' rows share the one slot, in node-set order (type 0's rows, then type 1's, ...;
+in the cached mode only each type's present rows), each NodeSet's Features saying how many
+rows (``num_rows``) are its own (common/sampled_mfg.py). Labels: only the seeds' type's
+NodeSet has them (its output nodes are the seeds); the others' are empty.
 """
 
 from __future__ import annotations
@@ -21,12 +29,18 @@ from common.cluster import ClusterSpec
 from common.config import ServerConfig
 from common.errors import MfgServeError, ProtocolError
 from common.messages import FEAT_TRANSFER_DTYPES, MFGReply, SampleRequest
-from common.sampled_mfg import FEAT_RING, Features
+from common.sampled_mfg import FEAT_RING, Features, SampledMFG
 from common.shm_ring import ShmError, ShmWriter
 from common.sockets import CurveKeys
 from common.stats import RequestTimings, SampleCounts
 from partition.layout import HOT_RANK_FILE, cached_mask
-from sampler_server.neighbor_sampler import DistributedNeighbors, Timings, new_scratch, sample_mfg
+from sampler_server.neighbor_sampler import (
+    DistributedNeighbors,
+    Timings,
+    new_scratch,
+    sample_mfg,
+    sample_typed_mfg,
+)
 from sampler_server.partition_store import PartitionStore
 from sampler_server.peer_client import WirePeers
 
@@ -71,6 +85,34 @@ def _check_reply_size(frames: list, msg: SampleRequest) -> None:
             "outside the message)")
 
 
+def typed_fanouts(msg: SampleRequest, store: PartitionStore) -> list[list[int]] | None:
+    """The per-layer, per-relation fanouts of a request to a typed set (None for a
+    homogeneous set); a request that does not fit the set is a ProtocolError naming the
+    field: ``rel_fanouts`` for a homogeneous set or of the wrong width, seeds of several node
+    types."""
+    meta = store.meta
+    if not store.typed:
+        if msg.rel_fanouts:
+            raise ProtocolError("bad_field", f"rel_fanouts is for typed partition sets; "
+                                f"{meta.dataset} is homogeneous: send fanouts only")
+        return None
+    num = len(meta.etypes)
+    if msg.rel_fanouts and len(msg.rel_fanouts[0].fanouts) != num:
+        raise ProtocolError(
+            "bad_field", f"rel_fanouts needs one fanout per relation of {meta.dataset} "
+            f"({num}: {[' '.join(t) for t in meta.etypes]}) in each layer, got "
+            f"{len(msg.rel_fanouts[0].fanouts)}")
+    types = torch.unique(store.node_types(msg.seeds))
+    if types.numel() != 1:
+        counts = {meta.ntypes[int(t)]: int((store.node_types(msg.seeds) == t).sum())
+                  for t in types}
+        raise ProtocolError("bad_seeds", f"seeds must all be of one node type, got {counts}: "
+                            "send one request per node type")
+    if msg.rel_fanouts:
+        return [list(r.fanouts) for r in msg.rel_fanouts]
+    return [[f] * num for f in msg.fanouts]
+
+
 class SampleWorker:
     def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank,
                  ctx: zmq.Context, cluster: ClusterSpec | None, keys: CurveKeys | None):
@@ -93,18 +135,23 @@ class SampleWorker:
         mask = cached_mask(rank, gids.numpy(), self.store.meta.node_offsets, ratio)
         return torch.from_numpy(np.asarray(mask))
 
-    def _features(self, msg: SampleRequest, neighbors: DistributedNeighbors, nodes: torch.Tensor,
-                  want: torch.dtype) -> Features:
-        """The features of ``nodes`` as they travel: gathered into the request's ring slot
-        if it has one that fits, else as rows on the wire (in the store's dtype: the caller
-        converts); in the cached mode only the rows the trainer does not cache."""
+    def _features(self, msg: SampleRequest, neighbors: DistributedNeighbors,
+                  node_sets: list[torch.Tensor], want: torch.dtype) -> list[Features]:
+        """The features of each of ``node_sets`` (one id tensor per node type) as they
+        travel: gathered into the request's ring slot if it has one that fits (the sets' rows
+        one after the other, see the module docstring), else as rows on the wire (in the
+        store's dtype: the caller converts); in the cached mode only the rows the trainer
+        does not cache."""
         dim = self.store.feat.shape[1]
         if not msg.with_feat:
-            return Features.none(dim, want)
-        present = None
+            return [Features.none(dim, want) for _ in node_sets]
+        presents: list[torch.Tensor | None] = [None] * len(node_sets)
         if msg.cache_ratio > 0:
-            present = ~self._cached(nodes, msg.cache_ratio)
-            nodes = nodes[present]  # the trainer holds the others' features
+            presents = [~self._cached(ids, msg.cache_ratio) for ids in node_sets]
+            # the trainer holds the others' features
+            node_sets = [ids[p] for ids, p in zip(node_sets, presents)]  # type: ignore[index]
+        nodes = node_sets[0] if len(node_sets) == 1 else torch.cat(node_sets)
+        sizes = [ids.numel() for ids in node_sets]
         error = ""
         if msg.slot is not None:
             try:
@@ -114,9 +161,10 @@ class SampleWorker:
             if slot is not None:  # gather straight into the trainer's ring slot
                 neighbors.gather(nodes, True, False, out=slot)
                 del slot  # release the mapping's buffer export
-                return Features.ring(nodes.numel(), dim, want, present)
+                return [Features.ring(n, dim, want, p) for n, p in zip(sizes, presents)]
         rows, _ = neighbors.gather(nodes, True, False)
-        return Features.frames(rows, present, error)
+        split = [rows] if len(node_sets) == 1 else torch.split(rows, sizes)
+        return [Features.frames(r, p, error) for r, p in zip(split, presents)]
 
     def idle(self) -> None:
         """Between requests: forget the rings of trainers that went away."""
@@ -130,20 +178,24 @@ class SampleWorker:
         peers = self.peers
         peer_bytes0 = peers.bytes_received if peers else 0
         neighbors = DistributedNeighbors(self.store, peers, timings, self.scratch)
-        mfg = sample_mfg(msg.seeds, msg.fanouts, neighbors, msg.sample_seed)
+        rel_fanouts = typed_fanouts(msg, self.store)
+        mfg = (sample_mfg(msg.seeds, msg.fanouts, neighbors, msg.sample_seed)
+               if rel_fanouts is None else
+               sample_typed_mfg(msg.seeds, rel_fanouts, neighbors, msg.sample_seed))
         want = FEAT_TRANSFER_DTYPES[msg.feat_dtype] or self.store.feat.dtype
-        feat = self._features(msg, neighbors, mfg.input_nodes, want)
+        feats = self._features(msg, neighbors, [ns.ids for ns in mfg.nodes], want)
         _, label = neighbors.gather(msg.seeds, False, msg.with_label)
         t0 = time.perf_counter()
-        if feat.rows.dtype != want:
-            feat = dataclasses.replace(feat, rows=feat.rows.to(want))  # counted as encode time
+        feats = [f if f.rows.dtype == want else dataclasses.replace(f, rows=f.rows.to(want))
+                 for f in feats]  # the conversion is counted as encode time
         remote_bytes = (peers.bytes_received if peers else 0) - peer_bytes0
+        ring = feats[0].via == FEAT_RING
         times = RequestTimings(
             sample_s=timings.sample_s, gather_s=timings.gather_s, remote_s=timings.remote_s,
             remote_requests=timings.remote_requests, remote_bytes=remote_bytes,
-            cached_rows=feat.cached_rows, queue_s=queue_s,
-            shm_rows=feat.num_rows if feat.via == FEAT_RING else 0)
-        reply = MFGReply(mfg=mfg.with_data(feat, label), timings=times.to_wire())
+            cached_rows=sum(f.cached_rows for f in feats), queue_s=queue_s,
+            shm_rows=sum(f.num_rows for f in feats) if ring else 0)
+        reply = MFGReply(mfg=_with_data(mfg, feats, label), timings=times.to_wire())
         frames = codec.encode(reply, rid)
         times.encode_s = time.perf_counter() - t0
         # Encoded again with the totals (cheap: tensors are not copied); the first
@@ -156,5 +208,16 @@ class SampleWorker:
             sample_requests=1, seeds_served=msg.seeds.numel(), sample_s=timings.sample_s,
             gather_s=timings.gather_s, remote_s=timings.remote_s,
             remote_requests=timings.remote_requests, remote_bytes=remote_bytes,
-            encode_s=times.encode_s, ring_replies=int(feat.via == FEAT_RING),
+            encode_s=times.encode_s, ring_replies=int(ring),
             ring_rows=times.shm_rows)
+
+
+def _with_data(mfg: SampledMFG, feats: list[Features], label: torch.Tensor) -> SampledMFG:
+    """``mfg`` with each NodeSet's features, and ``label`` on the seeds' NodeSet (the one
+    whose output nodes are the seeds; the only one in a homogeneous MFG)."""
+    if len(mfg.nodes) == 1:
+        return mfg.with_data(feats[0], label)
+    out = mfg.layers[-1].num_dst
+    nodes = [dataclasses.replace(ns, feat=f, label=label if out[t] else ns.label)
+             for t, (ns, f) in enumerate(zip(mfg.nodes, feats))]
+    return dataclasses.replace(mfg, nodes=nodes)

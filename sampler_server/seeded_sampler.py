@@ -131,30 +131,38 @@ def sample_csc(indptr: np.ndarray, indices: np.ndarray, local: Tensor, fanout: i
     """``(counts, src)`` for the rows ``local`` of a CSC (``indices[indptr[v]:indptr[v+1]]``
     are the in-neighbours of v): min(in-degree, fanout) distinct in-neighbours each (-1: all),
     concatenated in the order of ``local``; the same for the same ``seed``."""
-    if fanout < -1:
-        raise ValueError(f"fanout must be >= 0 or -1 (all in-neighbours), got {fanout}")
     rows = local.numpy()
     start = indptr[rows]
-    deg = indptr[rows + 1] - start
+    return sample_runs(start, indptr[rows + 1] - start, indices, fanout, seed)
+
+
+def sample_runs(start: np.ndarray, deg: np.ndarray, indices: np.ndarray, fanout: int,
+                seed: int) -> tuple[Tensor, Tensor]:
+    """:func:`sample_csc` over explicit runs: row r's candidates are
+    ``indices[start[r]:start[r] + deg[r]]`` (a typed graph's one-relation run of a
+    destination's in-edge segment, sampler_server/partition_store.py); the same draws as
+    :func:`sample_csc` for the runs it reads from an indptr."""
+    if fanout < -1:
+        raise ValueError(f"fanout must be >= 0 or -1 (all in-neighbours), got {fanout}")
     counts = deg if fanout == -1 else np.minimum(deg, fanout)
     total = int(counts.sum())
     big = (np.flatnonzero(deg > fanout) if fanout > 0 and total
            else np.zeros(0, dtype=np.int64))
     if total == 0:
         pos = np.zeros(0, dtype=np.int64)
-    elif big.size and total >= _MATRIX_MIN_FILL * rows.size * fanout:
+    elif big.size and total >= _MATRIX_MIN_FILL * start.size * fanout:
         picks = choose_positions(deg[big], fanout, np.random.default_rng(seed))
-        if big.size == rows.size:
+        if big.size == start.size:
             offset = picks
         else:
-            offset = np.empty((rows.size, fanout), dtype=picks.dtype)
+            offset = np.empty((start.size, fanout), dtype=picks.dtype)
             offset[:] = np.arange(fanout, dtype=picks.dtype)
             offset[big] = picks
         pos = start[:, None] + offset
         pos = pos.ravel() if total == pos.size else pos[np.arange(fanout) < counts[:, None]]
     else:
         nz = np.flatnonzero(counts)
-        pos = (_runs(start, counts, total) if nz.size == rows.size
+        pos = (_runs(start, counts, total) if nz.size == start.size
                else _runs(start[nz], counts[nz], total))
         if big.size:
             picks = choose_positions(deg[big], fanout, np.random.default_rng(seed))

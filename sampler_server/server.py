@@ -111,7 +111,8 @@ class PartitionHandlers:
                 "queued; lower the trainers' --max-inflight or raise --max-queue")
 
     def neighbors(self, msg: NeighborsRequest, call: Call) -> NeighborsReply:
-        counts, src = self.store.sample_neighbors(msg.nodes, msg.fanout, msg.seed)
+        counts, src = self.store.sample_neighbors(msg.nodes, msg.fanout, msg.seed,
+                                                  msg.etype)
         return NeighborsReply(counts=counts, src=src)
 
     def node_data(self, msg: NodeDataRequest, call: Call) -> NodeDataReply:
