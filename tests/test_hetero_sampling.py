@@ -283,7 +283,7 @@ def test_seeded_typed_mfg_repeats(mag_data, mag_parts, cluster):
 def test_typed_features_ring_fp16_cache(mag_data, mag_parts, cluster):
     """Ring slot (rows in node-set order), half-precision transfer and the feature cache's
     present-mask per node set, from a 2-part cluster."""
-    from partition.layout import cached_mask, load_hot_rank
+    from partition.layout import PartitionSetMeta, cached_mask, load_hot_rank
 
     parts = mag_parts(2)
     c = cluster(parts, 2)
@@ -316,11 +316,7 @@ def test_typed_features_ring_fp16_cache(mag_data, mag_parts, cluster):
         torch.testing.assert_close(ns.feat.rows.float(), want.half().float())
     rank = load_hot_rank(parts)
     assert rank is not None
-    meta_off = np.load(parts / "orig_to_new.npy").size  # num_nodes
-    from partition.layout import PartitionSetMeta
-
     offsets = PartitionSetMeta.load(parts).node_offsets
-    assert offsets[-1] == meta_off
     cached = call(c.ep(0), SampleRequest(seeds=seeds, fanouts=[3, 2], cache_ratio=0.5),
                   MFGReply, timeout_s=60)
     oracle.check(cached, seeds, fans, feat=False)
@@ -382,3 +378,24 @@ def test_bad_typed_requests_answered(mag_data, mag_parts, cluster, synth_parts1)
         typed_fanouts(SampleRequest(seeds=papers, fanouts=[2],
                                     rel_fanouts=RelFanouts.table([[2]])), store)
     assert typed_fanouts(SampleRequest(seeds=papers, fanouts=[2]), store) is None
+
+
+def test_relation_runs_match_a_scan():
+    """relation_runs (the per-relation run of each destination's etype-sorted in-edge
+    segment) against a plain scan: empty segments, absent relations, the array's last row."""
+    from sampler_server.partition_store import relation_runs
+
+    rng = np.random.default_rng(0)
+    deg = rng.integers(0, 40, 300)
+    deg[[0, 7, -1]] = [0, 1, 33]
+    indptr = np.concatenate([[0], np.cumsum(deg)])
+    etype = np.concatenate([np.sort(rng.integers(0, 5, d)) for d in deg]).astype(np.int16)
+    rows = rng.permutation(deg.size)
+    for r in range(6):
+        start, cnt = relation_runs(indptr, etype, rows, r)
+        for i, v in enumerate(rows):
+            seg = etype[indptr[v]:indptr[v + 1]]
+            hit = np.flatnonzero(seg == r)
+            assert cnt[i] == hit.size
+            if hit.size:
+                assert start[i] == indptr[v] + hit[0] and (np.diff(hit) == 1).all()
