@@ -179,8 +179,8 @@ def check_spec(spec: dict) -> dict:
         raise ConfigError(f"model spec: unknown key(s) {unknown}; accepted: {list(SPEC_KEYS)}")
     name = spec.get("name")
     if name not in MODEL_NAMES:
-        raise ConfigError(f"model spec: 'name' must be one of "
-                          f"{list(MODEL_NAMES + HETERO_MODEL_NAMES)}, got {name!r}")
+        raise ConfigError(f"model spec: 'name' must be one of {list(MODEL_NAMES)} (or, "
+                          f"typed, {list(HETERO_MODEL_NAMES)}), got {name!r}")
     out: dict = {"name": name}
     for key in _INT_KEYS:
         out[key] = _check_int(spec, key)
