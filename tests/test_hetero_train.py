@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import clean_env, free_ports, tail
+
+from common.cluster import ClusterSpec
 
 REPO = Path(__file__).resolve().parents[1]
 PAPERS = 2000
@@ -132,3 +135,31 @@ def test_bad_options_on_a_typed_set_are_refused_clearly(mag, tmp_path, args, nee
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr.split("error")[-1]
+
+
+@pytest.mark.timeout(300)
+def test_server_client_mode_over_tcp(mag, server_factory, tmp_path):
+    """The same trainer against long-lived sampler-server processes on TCP (2 parts)."""
+    ports = free_ports(2)
+    cluster = tmp_path / "cluster.yaml"
+    ClusterSpec({p: [f"tcp://127.0.0.1:{ports[p]}"] for p in (0, 1)}).write(cluster)
+    servers = [server_factory(mag["p2"], p, cluster=cluster,
+                              endpoint=f"tcp://127.0.0.1:{ports[p]}") for p in (0, 1)]
+    out, err = tmp_path / "t.out", tmp_path / "t.err"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(
+            [str(a) for a in [sys.executable, "-m", "deploy.trainer_cli", "--cluster", cluster,
+                              *TRAIN, "--epochs", 2, "--node-emb-dim", 16, "--world-size", 1,
+                              "--num-threads", 1, "--run-dir", tmp_path / "run"]], stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
+            cwd=REPO, env=clean_env())
+        try:
+            code = proc.wait(timeout=200)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    assert code == 0, tail(err, 40)
+    s = json.loads(out.read_text().strip().splitlines()[-1])
+    assert s["model"] == "rsage" and s["num_parts"] == 2 and s["test_acc"] > BAR, s
+    for p, srv in enumerate(servers):
+        assert srv.proc.poll() is None, f"server {p} died:\n{tail(srv.log)}"
