@@ -163,3 +163,47 @@ def test_server_client_mode_over_tcp(mag, server_factory, tmp_path):
     assert s["model"] == "rsage" and s["num_parts"] == 2 and s["test_acc"] > BAR, s
     for p, srv in enumerate(servers):
         assert srv.proc.poll() is None, f"server {p} died:\n{tail(srv.log)}"
+
+
+# --------------------------------------------------------------------------- no processes
+class _Info:
+    """A typed set's ping reply, as the trainer reads it."""
+
+    def __init__(self, featured=("paper",)):
+        from common.messages import NodeTypeInfo, RelationInfo
+
+        self.dataset, self.feat_dim = "mag", 8
+        self.ntypes = [NodeTypeInfo(t, t in featured) for t in ("author", "paper")]
+        self.etypes = [RelationInfo("author", "writes", "paper"),
+                       RelationInfo("paper", "cites", "paper"),
+                       RelationInfo("paper", "rev_writes", "author")]
+        self.predict_ntype = "paper"
+
+
+def test_rel_fanouts_table_model_choice_and_widths():
+    from common.config import TrainerConfig
+    from common.errors import ConfigError
+    from trainer_client.inference import refuse_typed
+    from trainer_client.typed import in_feats, model_name, rel_fanout_table, ring_fanouts
+
+    info = _Info()
+    assert rel_fanout_table([10, 5], "", info) == [[10, 10, 10], [5, 5, 5]]
+    assert rel_fanout_table([10, 5], "cites=3:writes=-1/rev_writes=0", info) == [
+        [-1, 3, 10], [5, 5, 0]]
+    cfg = TrainerConfig(cluster="/c", fanouts=[10, 5], rel_fanouts="cites=3/")
+    assert ring_fanouts(cfg, info, cfg.fanouts) == [23, 15]
+    assert model_name(cfg, info) == "rsage"
+    with pytest.raises(ConfigError, match="its relations"):
+        rel_fanout_table([10, 5], "nope=3/", info)
+    for bad in ("cites=3", "cites=x/", "cites/", "cites=1:cites=2/"):
+        with pytest.raises(ConfigError, match="--rel-fanouts"):
+            TrainerConfig(cluster="/c", fanouts=[10, 5], rel_fanouts=bad).validate()
+    with pytest.raises(ConfigError, match="use --model rsage"):
+        model_name(TrainerConfig(cluster="/c", model="gcn"), info)
+    emb = TrainerConfig(cluster="/c", node_emb_dim=4)
+    assert in_feats(emb, info) == {"author": 4, "paper": 8}
+    assert in_feats(TrainerConfig(cluster="/c"), info) == {"author": 8, "paper": 8}
+    with pytest.raises(ConfigError, match="--eval sampled"):
+        refuse_typed("sage", info)
+    with pytest.raises(ConfigError, match="--eval full"):
+        TrainerConfig(cluster="/c", model="rsage", eval="full").validate()
