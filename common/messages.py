@@ -96,6 +96,24 @@ class Ping(Message):
 
 
 @dataclass
+class NodeTypeInfo(Struct):
+    """One node type of a typed partition set: its name and whether its feature rows are real
+    (in the set's ``feat_ntypes``) or zeros (a featureless type)."""
+
+    name: str
+    featured: bool = True
+
+
+@dataclass
+class RelationInfo(Struct):
+    """One relation of a typed partition set: (source node type, name, destination type)."""
+
+    src: str
+    rel: str
+    dst: str
+
+
+@dataclass
 class Pong(Message):
     """Who the server is and the shape of the data it serves."""
 
@@ -111,6 +129,11 @@ class Pong(Message):
     pid: int
     server_id: str
     set_id: str  # the partition set's identity (metadata.json), written by partition-ogbn
+    # Typed sets (empty for a homogeneous one): node types in id order, relations in relation
+    # id order, the node type the labels and splits are of.
+    ntypes: list[NodeTypeInfo] = field(default_factory=list)
+    etypes: list[RelationInfo] = field(default_factory=list)
+    predict_ntype: str = ""
 
 
 @dataclass

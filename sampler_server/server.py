@@ -50,8 +50,10 @@ from common.messages import (
     NeighborsRequest,
     NodeDataReply,
     NodeDataRequest,
+    NodeTypeInfo,
     Ping,
     Pong,
+    RelationInfo,
     SampleRequest,
     SeedsReply,
     SeedsRequest,
@@ -124,7 +126,10 @@ class PartitionHandlers:
         return Pong(part_id=self.cfg.part_id, num_parts=m.num_parts, num_nodes=m.num_nodes,
                     feat_dim=m.feat_dim, num_classes=m.num_classes, node_offsets=m.node_offsets,
                     feat_dtype=str(st.feat.dtype).replace("torch.", ""), dataset=m.dataset,
-                    pid=os.getpid(), server_id=self.server_id, set_id=m.set_id)
+                    pid=os.getpid(), server_id=self.server_id, set_id=m.set_id,
+                    ntypes=[NodeTypeInfo(t, t in m.feat_ntypes) for t in m.ntypes],
+                    etypes=[RelationInfo(*e) for e in m.etypes],
+                    predict_ntype=m.predict_ntype)
 
     def seeds(self, msg: SeedsRequest, call: Call) -> SeedsReply:
         return SeedsReply(seeds=self.store.seeds(msg.split))
