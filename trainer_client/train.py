@@ -43,6 +43,7 @@ from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
 from common.logs import bars_allowed
 from common.messages import FEAT_TRANSFER_DTYPES
+from common.mfg import HeteroMFG
 from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import CurveKeys
 from trainer_client.checkpoint import FORMAT as CHECKPOINT_FORMAT
@@ -70,6 +71,15 @@ from trainer_client.run_dir import (
     resume_location,
 )
 from trainer_client.server_pool import ServerPool
+from trainer_client.typed import (
+    check_typed_run,
+    loader_args,
+    model_name,
+    ring_fanouts,
+    seed_labels,
+    typed_inputs,
+    typed_spec,
+)
 
 log = logging.getLogger("mfgserve.trainer")
 
@@ -157,8 +167,10 @@ def make_ring(cfg: TrainerConfig, info, device: torch.device) -> ShmRing | None:
     slots = cfg.max_inflight + 2  # in flight, plus the batch being trained and the next one
     dtype = FEAT_TRANSFER_DTYPES.get(cfg.feat_transfer) or getattr(torch, info.feat_dtype)
     row_bytes = info.feat_dim * dtype.itemsize
-    rows = max(max_input_rows(cfg.batch_size, cfg.fanouts, info.num_nodes),
-               max_input_rows(cfg.eval_batch_size, cfg.eval_fanouts or cfg.fanouts,
+    rows = max(max_input_rows(cfg.batch_size, ring_fanouts(cfg, info, cfg.fanouts),
+                              info.num_nodes),
+               max_input_rows(cfg.eval_batch_size,
+                              ring_fanouts(cfg, info, cfg.eval_fanouts or cfg.fanouts),
                               info.num_nodes))
     slot_bytes = max(rows * row_bytes, 1)
     total = (cfg.shm_ring_mb << 20) if cfg.shm_ring_mb else min(slots * slot_bytes, 4096 << 20)
@@ -321,6 +333,8 @@ def empty_best(metric: str) -> dict:
 
 def _inputs(run: Run, mfg) -> Tensor:
     """The first layer's input rows: features, then the learnable node embedding if any."""
+    if isinstance(mfg, HeteroMFG):  # typed batches (rsage): a dict of inputs per node type
+        return typed_inputs(mfg, run.emb, run.info)  # type: ignore[return-value]
     x = mfg[0].srcdata["feat"].float()
     if run.emb is None:
         return x
@@ -337,7 +351,7 @@ def evaluate(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     correct = total = 0
     for _, _, mfg in _progress(loader, run.show, desc=desc):
         logits = run.model(mfg, _inputs(run, mfg))
-        labels = mfg[-1].dstdata["label"]
+        labels = seed_labels(mfg)
         correct += int((logits.argmax(1) == labels).sum())
         total += labels.numel()
     c, t = _all_sum([correct, total], run.ddp, run.device)
@@ -350,7 +364,7 @@ def _evaluate_rocauc(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     preds, labels = [], []
     for _, _, mfg in _progress(loader, run.show, desc=desc):
         preds.append(run.model(mfg, _inputs(run, mfg)).float())
-        labels.append(mfg[-1].dstdata["label"].float())
+        labels.append(seed_labels(mfg).float())
     t = run.task.num_tasks
     pred = torch.cat(preds) if preds else torch.empty((0, t), device=run.device)
     label = torch.cat(labels).to(pred.device) if labels else torch.empty((0, t),
@@ -364,7 +378,7 @@ def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int) -> None
     """One mini-batch: forward, backward (DDP averages the gradients), checks, clip, step."""
     t0 = time.perf_counter()
     logits = run.net(mfg, _inputs(run, mfg))
-    loss = loss_fn(run.task, logits, mfg[-1].dstdata["label"])
+    loss = loss_fn(run.task, logits, seed_labels(mfg))
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     value = float(loss.detach())
@@ -583,10 +597,13 @@ def _model_spec(cfg: TrainerConfig, info, task: Task | None = None) -> dict:
     """The model: its output width is the number of classes, or of tasks (one logit per
     binary task)."""
     out = task.num_tasks if task is not None and task.binary else info.num_classes
-    spec = {"name": cfg.model, "in_feats": info.feat_dim + cfg.node_emb_dim, "hidden": cfg.hidden,
+    name = model_name(cfg, info)  # --model auto; a homogeneous model on a typed set: refused
+    if name == "rsage":
+        return typed_spec(cfg, info, out)
+    spec = {"name": name, "in_feats": info.feat_dim + cfg.node_emb_dim, "hidden": cfg.hidden,
             "num_classes": out, "num_layers": len(cfg.fanouts),
             "dropout": cfg.dropout}
-    if cfg.model == "gat":
+    if name == "gat":
         spec["heads"] = cfg.gat_heads
     return spec
 
@@ -612,10 +629,14 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
                   ring=ring, deterministic=cfg.deterministic_sampling)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
                                batch_size=cfg.batch_size, shuffle=True,
-                               batch_locality=cfg.batch_locality, **common)
+                               batch_locality=cfg.batch_locality,
+                               **loader_args(cfg, info, cfg.fanouts, cfg.rel_fanouts), **common)
     eval_fanouts = cfg.eval_fanouts or cfg.fanouts
+    # typed sets: --rel-fanouts applies to evaluation too, unless --eval-fanouts is given
+    eval_typed = loader_args(cfg, info, eval_fanouts, "" if cfg.eval_fanouts else cfg.rel_fanouts)
     evals = {s: DistNodeDataLoader(pool, splits[s], info.node_offsets, fanouts=eval_fanouts,
-                                   batch_size=cfg.eval_batch_size, shuffle=False, **common)
+                                   batch_size=cfg.eval_batch_size, shuffle=False,
+                                   **eval_typed, **common)
              for s in ("valid", "test") if splits[s].numel() >= ddp.world_size}
     return train, evals
 
@@ -634,6 +655,7 @@ def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info, run_dir: str):
 
 def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, plan: dict,
                ring) -> Run:
+    check_typed_run(cfg, info)  # typed sets: model, options (trainer_client/typed.py)
     task = task_of(pool, info)
     if task.binary and cfg.eval == "full":
         raise ConfigError(
@@ -641,7 +663,10 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
             f"has {task.num_tasks} binary tasks evaluated by ROC-AUC: use --eval sampled")
     spec = _model_spec(cfg, info, task)
     model = build_model(spec).to(device)
-    net = DDP(model) if ddp.world_size > 1 else model
+    # rsage: relations / node types without destinations or edges in a batch (and the last
+    # layer's non-seed types) leave parameters unused; DDP must look for them every step
+    net = (DDP(model, find_unused_parameters=spec["name"] == "rsage") if ddp.world_size > 1
+           else model)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     cache = _make_cache(cfg, pool, info, device)
     splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
@@ -725,7 +750,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "num_trainers": ddp.world_size,
         "num_parts": run.info.num_parts,
         "dataset": run.info.dataset,
-        "model": cfg.model,
+        "model": run.spec["name"],
         "batches_per_epoch_per_trainer": len(run.train_loader),
         "bytes_received": int(bytes_rx),
         "server_to_server_requests": int(remote_requests),
