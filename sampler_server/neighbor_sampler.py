@@ -184,7 +184,7 @@ class DistributedNeighbors:
             feat_dim = self.store.feat.shape[1]
             feat = out if out is not None and with_feat else torch.empty(
                 (nodes.numel() if with_feat else 0, feat_dim), dtype=self.store.feat.dtype)
-            label = torch.empty(nodes.numel() if with_label else 0, dtype=torch.int64)
+            label = self.store.empty_label(nodes.numel() if with_label else 0)
             for p, pos in groups.items():
                 f, lab = results[p]
                 if with_feat:

@@ -251,13 +251,13 @@ class PartitionStore:
             else:
                 feat = self.feat.index_select(0, local)
             label = (self.label.index_select(0, local) if with_label
-                     else torch.empty(0, dtype=torch.int64))
+                     else self.empty_label(0))
             return feat, label
         own_pos, own_local, halo_pos, halo_local = self._split_local(nodes)
         n = nodes.numel()
         feat = (out if out is not None and with_feat else
                 torch.empty((n if with_feat else 0, self.feat.shape[1]), dtype=self.feat.dtype))
-        label = torch.empty(n if with_label else 0, dtype=torch.int64)
+        label = self.empty_label(n if with_label else 0)
         if halo_pos.numel() == 0:
             if with_feat:
                 torch.index_select(self.feat, 0, own_local, out=feat)
@@ -271,6 +271,11 @@ class PartitionStore:
             label[own_pos] = self.label.index_select(0, own_local)
             label[halo_pos] = self.halo_label.index_select(0, halo_local)
         return feat, label
+
+    def empty_label(self, n: int) -> Tensor:
+        """An uninitialised label tensor for ``n`` nodes, of the part's label dtype and row
+        shape: int64 ``[n]`` (multiclass) or float32 ``[n, num_tasks]`` (binary tasks)."""
+        return torch.empty((n, *self.label.shape[1:]), dtype=self.label.dtype)
 
     def seeds(self, split: str) -> Tensor:
         return _as_tensor(np.ascontiguousarray(getattr(self.part, split)))
