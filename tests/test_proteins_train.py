@@ -138,3 +138,20 @@ def test_full_eval_is_refused_for_multilabel(sets, tmp_path):
                     "--work-dir", str(tmp_path / "w"), "--no-progress"], tmp_path)
     assert proc.returncode != 0
     assert "--eval sampled" in proc.stderr and "ROC-AUC" in proc.stderr
+
+
+def test_resume_keeps_the_rocauc_best(sets, tmp_path):
+    """A checkpoint of a multi-label run resumes: best and history keyed by rocauc."""
+    parts = _set(sets["root"], 1, 6)
+    common = ["--parts", str(parts), "--fanouts", "5,5", "--batch-size", "64", "--hidden",
+              "16", "--work-dir", str(tmp_path / "w"), "--run-dir", str(tmp_path / "run"),
+              "--checkpoint-every", "1", "--no-progress"]
+    first = _worker([*common, "--epochs", "1"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _worker([*common, "--epochs", "2", "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from"].endswith("epoch-000001.pt")
+    assert summary["epochs_done"] == 2 and 0.0 <= summary["test_rocauc"] <= 1.0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["epoch"] for ln in lines] == [0, 1]
