@@ -164,7 +164,7 @@ def test_compatibility_ignores_run_only_options_and_names_each_difference():
         check_compatible({**ckpt, "set_id": "s0"}, _expected(changed), "c.pt")
     text = str(e.value)
     for part in ("--hidden: checkpoint 256, this run 64", "--fanouts: checkpoint [10, 10], "
-                 "this run [3, 3]", "--model: checkpoint 'sage', this run 'gcn'",
+                 "this run [3, 3]", "--model: checkpoint 'auto', this run 'gcn'",
                  "partition set (set_id): checkpoint 's0', this run 's1'"):
         assert part in text, text
     assert "--epochs" not in text
