@@ -133,7 +133,7 @@ def _infer(cfg: InferConfig, pool, saved: dict, model_path: Path, out: Path,
 
     check_cluster(pool)
     info = pool.info()
-    check_model(saved, info, str(model_path))
+    check_model(saved, info, str(model_path), pool)
     ids, ids_kind = original_ids(cfg.parts, info)
     model = model_from_file(saved, device)
     splits = {s: pool.seeds(s) for s in ("valid", "test")}

@@ -155,3 +155,13 @@ def test_resume_keeps_the_rocauc_best(sets, tmp_path):
     assert summary["epochs_done"] == 2 and 0.0 <= summary["test_rocauc"] <= 1.0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["epoch"] for ln in lines] == [0, 1]
+
+
+def test_full_graph_inference_is_refused_for_multilabel(sets, tmp_path):
+    """worker-mode --infer (mfgserve-infer after training): refused before any layer runs."""
+    parts = _set(sets["root"], 1, 6)
+    proc = _worker(["--parts", str(parts), "--epochs", "1", "--fanouts", "5,5", "--hidden",
+                    "16", "--infer", "--work-dir", str(tmp_path / "w"), "--no-progress"],
+                   tmp_path)
+    assert proc.returncode != 0
+    assert "ROC-AUC" in proc.stderr and "--eval sampled" in proc.stderr

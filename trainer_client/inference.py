@@ -82,10 +82,13 @@ def load_model_file(path: str | os.PathLike) -> dict:
     return saved
 
 
-def check_model(saved: dict, info, path: str = "the model file") -> None:
-    """Refuse a model that does not fit the served graph, naming each difference."""
+def check_model(saved: dict, info, path: str = "the model file", pool=None) -> None:
+    """Refuse a model that does not fit the served graph, naming each difference (and, with
+    the ``pool``, a multi-label set: layer-wise inference measures accuracy)."""
     spec = saved["model_spec"]
     refuse_typed(spec.get("name", ""), info, path)
+    if pool is not None:
+        refuse_multilabel(pool, info)
     diff = []
     if spec.get("in_feats") != info.feat_dim:
         diff.append(f"input features {spec.get('in_feats')} (the servers' feature dim is "
@@ -100,6 +103,19 @@ def check_model(saved: dict, info, path: str = "the model file") -> None:
         raise ConfigError(f"{path} was trained for another graph: {'; '.join(diff)}. Start "
                           "the servers on the partition set it was trained on, or pass its "
                           "model file")
+
+
+def refuse_multilabel(pool, info) -> None:
+    """Layer-wise inference measures accuracy: a multi-label set (binary tasks, ROC-AUC) is
+    refused before any work, naming the evaluation to use."""
+    from trainer_client.metrics import task_of
+
+    task = task_of(pool, info)
+    if task.binary:
+        raise ConfigError(
+            f"full-graph inference measures accuracy, but dataset {info.dataset} has "
+            f"{task.num_tasks} binary tasks evaluated by ROC-AUC; evaluate it with the "
+            "trainer's sampled evaluation (--eval sampled)")
 
 
 def refuse_typed(model_name: str, info, what: str = "the model") -> None:
@@ -319,7 +335,11 @@ class LayerwiseInference:
 
         With ``keep_outputs`` the last layer covers every node and the logits and embeddings
         stay on the servers (``result.kept``; free them with :meth:`drop`); without, the
-        last layer covers only the valid and test nodes and every tensor is freed."""
+        last layer covers only the valid and test nodes and every tensor is freed.
+
+        Multi-label sets (binary tasks, ROC-AUC) are refused before any work: this measures
+        accuracy."""
+        refuse_multilabel(self.pool, self.info)
         was_training = self.model.training
         self.model.eval()
         counts = [0, 0, 0, 0]  # valid correct, valid total, test correct, test total
