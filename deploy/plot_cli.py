@@ -104,7 +104,8 @@ def _parse_record(line: str, path: Path, lineno: int) -> dict[str, Any]:
     epoch = rec.get("epoch")
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise ConfigError(f"{where} has no valid 'epoch' (an integer >= 0), got {epoch!r}")
-    for key in ("loss", "seeds_per_s", "epoch_s", "valid_acc", "test_acc"):
+    for key in ("loss", "seeds_per_s", "epoch_s", "valid_acc", "test_acc", "valid_rocauc",
+                "test_rocauc"):
         if key in rec and not _is_number_or_null(rec[key]):
             raise ConfigError(f"{where}: {key!r} must be a number or null, got {rec[key]!r}")
     stages = rec.get("stages_s", {})
@@ -137,8 +138,9 @@ def _title(run_dir: Path, summary: dict[str, Any]) -> str:
     parts = [run_dir.resolve().name]
     if summary.get("dataset"):
         parts.append(str(summary["dataset"]))
-    if isinstance(summary.get("test_acc"), (int, float)):
-        parts.append(f"test_acc {summary['test_acc']:.4f}")
+    for key in ("test_acc", "test_rocauc"):  # the dataset's eval metric
+        if isinstance(summary.get(key), (int, float)):
+            parts.append(f"{key} {summary[key]:.4f}")
     return " | ".join(parts)
 
 
@@ -212,6 +214,10 @@ def _draw_loss(records: list[dict[str, Any]]) -> Any:
 
 
 def _draw_accuracy(records: list[dict[str, Any]]) -> Any:
+    """Validation and test accuracy, or ROC-AUC for a multi-label dataset's run."""
+    if any("valid_rocauc" in r or "test_rocauc" in r for r in records):
+        return _line_figure(records, {"valid_rocauc": "validation", "test_rocauc": "test"},
+                            "ROC-AUC")
     return _line_figure(records, {"valid_acc": "validation", "test_acc": "test"}, "accuracy")
 
 
