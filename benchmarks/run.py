@@ -60,7 +60,7 @@ from benchmarks.report import (
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
-         "wire")
+         "wire", "hetero")
 FAMILIES = ("products", "rmat")
 MODULE_STEPS = ("step", "datapath", "limits")  # benchmarks.<name>.run_step(parts, args)
 LR, WEIGHT_DECAY = 3e-3, 5e-4  # Adam, both sides (mfgserve trainer's defaults)
@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker-mode trainers' feature cache ratio (0: no cache)")
     p.add_argument("--feat-transfer", default="", choices=["", "float16", "bfloat16"],
                    help="worker-mode feature dtype on the wire (default: as stored)")
+    from benchmarks.hetero import add_args as hetero_args
+
+    hetero_args(p)
     p.add_argument("--skip", type=_skip_list, default=[],
                    help=f"comma-separated steps to skip: {', '.join(STEPS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
@@ -593,6 +596,20 @@ def print_table(summary: dict) -> None:
         out.append("other ratios: " + ", ".join(f"{k} {_fmt(v)}" for k, v in others.items()))
     if "wire" in summary["errors"]:
         out.append(f"\nwire: FAILED {summary['errors']['wire'].splitlines()[0][:80]}")
+    h = summary.get("hetero")
+    if h:
+        g, d, w = h["graph"], h["dgl"], h["mfgserve"]
+        out.append(f"\nheterogeneous ({g['papers']:,}-paper mag-shaped graph, {g['nodes']:,} "
+                   f"nodes, {g['edges']:,} edges, {len(g['relations'])} relations; fanouts "
+                   f"{h['fanouts']}, {h['epochs']} epochs):")
+        out += _columns([("", "seeds/s", "test_acc"),
+                         ("DGL HeteroGraphConv(SAGEConv)", _fmt(d.get("seeds_per_s")),
+                          _fmt(d.get("test_acc"))),
+                         ("mfgserve worker mode, rsage", _fmt(w.get("seeds_per_s")),
+                          _fmt(w.get("test_acc"))),
+                         ("ratio / acc diff", _fmt(h.get("ratio")), _fmt(h.get("acc_diff")))])
+    elif "hetero" in summary["errors"]:
+        out.append(f"\nhetero: FAILED {summary['errors']['hetero'].splitlines()[0][:80]}")
     print("\n".join(out) + "\n", file=sys.stderr, flush=True)
 
 
@@ -621,6 +638,8 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "worker_timeout_s": args.worker_timeout_s,
             "dgl_warmup_batches": DGL_WARMUP_BATCHES,
             "synthetic_nodes": None if args.parts else args.synthetic_nodes,
+            "hetero": {"papers": args.hetero_papers, "epochs": args.hetero_epochs,
+                       "fanouts": args.hetero_fanouts},
             "rmat": {q: getattr(args, f"rmat_{q}") for q in ("a", "b", "c", "noise")}}
 
 
@@ -675,6 +694,14 @@ def main(argv: list[str] | None = None) -> int:
         if got is not None:
             wire = {**got[0], "loadavg_1m": got[1]}
 
+    hetero = None
+    if "hetero" not in args.skip:
+        from benchmarks.hetero import measure_hetero
+
+        got = steps._attempt("hetero", lambda: measure_hetero(args))
+        if got is not None:
+            hetero = {**got[0], "loadavg_1m": got[1]}
+
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     ratios = {f: compute_ratios(steps.results.get(f, {}), args, steps.module_results.get(f, []))
               for f in families if f in graphs}
@@ -690,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
                "ratios": ratios, "headline": headline,
                "comparison": comparison_rows({f: steps.results.get(f, {}) for f in graphs},
                                              ratios, args),
-               "wire": wire, "errors": steps.errors,
+               "wire": wire, "hetero": hetero, "errors": steps.errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
                "command": command_line("benchmarks.run", argv)}
     emit_summary(summary, args.out, print_table)

@@ -24,7 +24,7 @@ def summary(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-run")
     argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "20000",
             "--max-batches", "3", "--family", "products", "--dropout", "0,0.5",
-            "--dgl-workers", "0", "--skip", "dgl-sample,server,wire,step,datapath,limits",
+            "--dgl-workers", "0", "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero",
             "--cache-dir", str(tmp / "cache"), "--worker-work-dir", str(tmp / "wm"),
             "--worker-timeout-s", "200", "--out", str(tmp / "out.json")]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
@@ -117,3 +117,29 @@ def test_dgl_model_is_the_seed_model_with_mfgserve_init():
     assert theirs.dropout(x) is x
     assert all(layer._aggre_type == "mean" and layer.activation is None
                for layer in theirs.layers)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_hetero_step_both_sides_on_one_typed_graph(tmp_path):
+    """The heterogeneous step alone: DGL's HeteroGraphConv(SAGEConv) and worker-mode rsage on
+    the same generated mag-shaped set; both train, the ratio and accuracy difference are
+    reported (no timing asserted)."""
+    argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "2000",
+            "--family", "products", "--dgl-workers", "0",
+            "--skip", "dgl-train,dgl-sample,server,worker,ddp,wire,step,datapath,limits",
+            "--hetero-papers", "1500", "--hetero-epochs", "1", "--hetero-fanouts", "5,5",
+            "--batch-size", "256", "--hidden", "32",
+            "--cache-dir", str(tmp_path / "cache"), "--worker-timeout-s", "200"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    h = out["hetero"]
+    assert out["errors"] == {}
+    assert h["graph"]["papers"] == 1500 and len(h["graph"]["ntypes"]) == 4
+    assert len(h["graph"]["relations"]) == 7  # 4 relations + 3 rev_* (cites symmetrised)
+    assert h["dgl"]["seeds"] > 0 and h["dgl"]["seeds_per_s"] > 0
+    assert h["mfgserve"]["seeds_per_s"] > 0 and h["mfgserve"]["model"] == "rsage"
+    assert 0 <= h["dgl"]["test_acc"] <= 1 and 0 <= h["mfgserve"]["test_acc"] <= 1
+    assert h["ratio"] > 0 and h["acc_diff"] is not None
+    assert "heterogeneous (1,500-paper" in proc.stderr

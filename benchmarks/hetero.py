@@ -1,0 +1,114 @@
+"""benchmarks.run's heterogeneous step: mfgserve vs DGL's heterogeneous pipeline on one typed
+graph, same model family, fanouts, hidden size, epochs and optimizer.
+
+The graph: ``partition-ogbn --dataset synthetic-mag --num-nodes P`` (ogbn-mag-shaped: paper,
+author, institution, field_of_study; 4 relations, 128-dim features on papers), partitioned
+into 1 part with ``--add-reverse-edges --derive-features mean`` (so every node type has
+features and every type a relation leading in: both models then compute the same function
+family, see trainer_client/hetero_model.py), cached under ``--cache-dir``.
+
+* DGL: :func:`benchmarks.dgl_hetero.train_dgl_hetero` (``HeteroGraphConv`` of ``SAGEConv``
+  mean, summed across relations; DGL's ``DataLoader`` + ``NeighborSampler``, in process);
+* mfgserve: ``deploy.worker_mode --model rsage`` on the same set (1 trainer, the ring on).
+
+Returns both runs' figures and ``ratio`` = mfgserve seeds/s / DGL seeds/s, with the test
+accuracy of each (``acc_diff`` = mfgserve - DGL). No target beyond reporting it honestly: a
+ratio below 1 is explained from the worker-mode run's stage timings (``stages_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.report import REPO, logger
+
+log = logger("hetero")
+
+
+def mag_parts(cache_dir: str, papers: int, seed: int) -> Path:
+    """The cached 1-part typed set of ``papers`` papers (made on first use)."""
+    root = Path(cache_dir) / f"mag-{papers}p-s{seed}"
+    parts = root / "parts1"
+    if (parts / "metadata.json").is_file():
+        return parts
+    raw = root / "raw"
+    root.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "partition.cli", "--no-progress", "--seed", str(seed)]
+    for argv in ([*cli, "--dataset", "synthetic-mag", "--num-nodes", str(papers),
+                  "--raw-out", str(raw), "--force"],
+                 [*cli, "--dataset-dir", str(raw), "--add-reverse-edges",
+                  "--derive-features", "mean", "--num-parts", "1", "--out", str(parts),
+                  "--force"]):
+        log(" ".join(argv[1:]))
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[1:4])} exited {proc.returncode}: "
+                               f"{proc.stderr[-2000:]}")
+    return parts
+
+
+def worker_rsage(parts: Path, args: argparse.Namespace, fanouts: list[int]) -> dict:
+    """``deploy.worker_mode --model rsage`` on ``parts``: its JSON summary (last line)."""
+    argv = [sys.executable, "-m", "deploy.worker_mode", "--parts", str(parts),
+            "--num-trainers", "1", "--epochs", str(args.hetero_epochs),
+            "--fanouts", ",".join(map(str, fanouts)), "--batch-size", str(args.batch_size),
+            "--hidden", str(args.hidden), "--seed", str(args.seed), "--model", "rsage",
+            "--dropout", "0", "--lr", "0.003", "--weight-decay", "0.0005",
+            "--server-num-workers", str(args.server_workers), "--no-progress",
+            "--shm-ring" if args.shm_ring else "--no-shm-ring"]
+    if args.num_threads:
+        argv += ["--num-threads", str(args.num_threads)]
+    log("worker-mode: " + " ".join(argv[1:]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=None, text=True,
+                          stdin=subprocess.DEVNULL, timeout=args.worker_timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker-mode --model rsage exited {proc.returncode}; last stdout "
+                           f"line: {lines[-1] if lines else '<none>'}")
+    s = json.loads(lines[-1])
+    keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
+            "batches_per_epoch_per_trainer", "bytes_received", "stages_s", "startup_s",
+            "model", "shm_ring", "server_to_server_bytes")
+    out = {k: s[k] for k in keep if k in s}
+    out["subprocess_wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def measure_hetero(args: argparse.Namespace) -> dict:
+    """Both sides on the cached mag-shaped set; figures, ratio and accuracy difference."""
+    from benchmarks.dgl_hetero import load_full_heterograph, train_dgl_hetero
+
+    fanouts = list(args.hetero_fanouts)
+    parts = mag_parts(args.cache_dir, args.hetero_papers, args.seed)
+    hg = load_full_heterograph(parts)
+    dgl_res = train_dgl_hetero(hg, fanouts, args.batch_size, args.hetero_epochs,
+                               hidden=args.hidden, featureless="zeros", seed=args.seed)
+    mfg_res = worker_rsage(parts, args, fanouts)
+    ratio = (mfg_res["seeds_per_s"] / dgl_res["seeds_per_s"]
+             if dgl_res.get("seeds_per_s") and mfg_res.get("seeds_per_s") else None)
+    return {"graph": {"parts_dir": str(parts), "papers": args.hetero_papers,
+                      "nodes": hg.g.num_nodes(), "edges": hg.g.num_edges(),
+                      "ntypes": list(hg.g.ntypes),
+                      "relations": [list(e) for e in hg.g.canonical_etypes]},
+            "fanouts": fanouts, "epochs": args.hetero_epochs, "dgl": dgl_res,
+            "mfgserve": mfg_res, "ratio": round(ratio, 3) if ratio else None,
+            "acc_diff": (round(mfg_res["test_acc"] - dgl_res["test_acc"], 4)
+                         if "test_acc" in mfg_res else None)}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """benchmarks.run's options for this step."""
+    p.add_argument("--hetero-papers", type=int, default=20000,
+                   help="hetero step: papers of the generated mag-shaped graph (default 20000)")
+    p.add_argument("--hetero-epochs", type=int, default=3,
+                   help="hetero step: training epochs of both sides (default 3)")
+    p.add_argument("--hetero-fanouts", type=lambda t: [int(x) for x in t.split(",") if x],
+                   default=[10, 10],
+                   help="hetero step: fanouts for every relation, input layer first "
+                        "(default 10,10)")
