@@ -43,7 +43,9 @@ from common.structs import Struct
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_ID = 2**63 - 1
-MAX_TENSORS = 64
+# tensor frames per message: a typed MFG carries 2 per relation and layer plus 4 per node
+# type (ogbn-mag with reverse relations, 3 layers: 58); version 5 raised it from 64
+MAX_TENSORS = 512
 MAX_NDIM = 4
 MAX_LIST_LEN = 1024
 MAX_STR_LEN = 4096
