@@ -91,6 +91,7 @@ def test_one_part_embeddings_ring_checkpoint_and_resume(mag, tmp_path):
     assert s["shm_ring"]["used"] and s["shm_ring"]["replies_in_ring"] > 0
     emb = s["node_embedding"]
     assert emb["dim"] == 16 and emb["bytes_per_server"]["0"] > 0
+    assert emb["ntypes"] == ["author", "field_of_study", "institution"]
     assert s["num_parts"] == 1 and s["epochs_done"] == 2
     r = _worker(mag["p1"], [*args, "--epochs", 3, "--resume"], tmp_path)
     assert r["resumed_from"].endswith("epoch-000002.pt"), r

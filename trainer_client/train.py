@@ -73,6 +73,7 @@ from trainer_client.run_dir import (
 from trainer_client.server_pool import ServerPool
 from trainer_client.typed import (
     check_typed_run,
+    featureless,
     loader_args,
     model_name,
     ring_fanouts,
@@ -760,7 +761,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "device": str(device),
         "stages_s": stages,
         "shm_ring": _ring_summary(run, ring),
-        "node_embedding": ({"dim": cfg.node_emb_dim, "bytes_per_server": emb_bytes}
+        "node_embedding": ({"dim": cfg.node_emb_dim, "bytes_per_server": emb_bytes,
+                            "ntypes": featureless(run.info)}  # typed: the types it feeds
                            if emb_bytes is not None else None),
         "final_loss": round(fit.history[-1]["loss"], 4) if fit.history else None,
         "config": {k: v for k, v in to_dict(cfg).items()
