@@ -11,8 +11,13 @@ the one the issue names: a stack of ``dgl.nn.HeteroGraphConv({relation: dgl.nn.S
 seed type's training nodes; Adam (lr 3e-3, weight decay 5e-4, mfgserve's trainer defaults).
 
 Featureless node types (those not in the set's ``feat_ntypes``): ``--featureless embed`` (the
-default) gives each a learnable ``nn.Embedding`` of the feature width, updated by the same
-Adam (dense, as a reference); ``zeros`` uses the set's zero rows. A set partitioned with
+default) gives each a learnable embedding of the feature width; ``zeros`` uses the set's zero
+rows. The embeddings train as DGL trains them (and as mfgserve's server-held embeddings do):
+``--emb-optimizer sparse-adam`` (the default) is ``dgl.nn.NodeEmbedding`` rows initialised
+U(-``--emb-init``, ``--emb-init``) (1.0) and updated by ``dgl.optim.SparseAdam`` with
+``--emb-lr`` (0.01), only the rows a batch used, no weight decay (DistDGL's RGCN example;
+mfgserve's ``--node-emb-dim`` / ``--node-emb-lr`` defaults); ``adam`` is a dense
+``nn.Embedding`` in the model's Adam (weight decay included), U(-0.1, 0.1). A set partitioned with
 ``--derive-features mean`` has every type in ``feat_ntypes``: the derived rows are used.
 
 The last stdout line is a JSON summary (``test_acc`` at the epoch of best ``valid_acc``,
@@ -152,7 +157,8 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
                      epochs: int, hidden: int = 256, dropout: float = 0.0,
                      featureless: str = "embed", seed: int = 0, lr: float = 3e-3,
                      weight_decay: float = 5e-4, num_workers: int = 0,
-                     max_batches: int | None = None) -> dict:
+                     max_batches: int | None = None, emb_optimizer: str = "sparse-adam",
+                     emb_lr: float = 0.01, emb_init: float = 1.0) -> dict:
     dgl = import_dgl()
     hg = graph if isinstance(graph, HeteroGraph) else load_full_heterograph(graph)
     g, pt = hg.g, hg.predict_ntype
@@ -160,15 +166,26 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
     dgl.seed(seed)
     etypes = list(g.canonical_etypes)
     model = DGLRelSAGE(etypes, hg.feat_dim, hidden, hg.num_classes, len(fanouts), dropout)
-    embeds = nn.ModuleDict()
+    embeds: dict = {}
+    sparse_opt = None
     if featureless == "embed":
         for t in g.ntypes:
-            if t not in hg.feat_ntypes:
+            if t in hg.feat_ntypes:
+                continue
+            if emb_optimizer == "sparse-adam":
+                embeds[t] = dgl.nn.NodeEmbedding(
+                    g.num_nodes(t), hg.feat_dim, f"dgl_hetero_emb_{t}",
+                    init_func=lambda a: a.uniform_(-emb_init, emb_init))
+            else:
                 e = nn.Embedding(g.num_nodes(t), hg.feat_dim)
                 nn.init.uniform_(e.weight, -0.1, 0.1)
                 embeds[t] = e
-    params = list(model.parameters()) + list(embeds.parameters())
-    opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        if emb_optimizer == "sparse-adam" and embeds:
+            sparse_opt = dgl.optim.SparseAdam(list(embeds.values()), lr=emb_lr)
+    dense = [] if emb_optimizer == "sparse-adam" else [p for e in embeds.values()
+                                                       for p in e.parameters()]
+    opt = torch.optim.Adam(list(model.parameters()) + dense, lr=lr,
+                           weight_decay=weight_decay)
     sampler = dgl.dataloading.NeighborSampler(_fanout_arg(fanouts, etypes))
 
     def loader(ids: Tensor, shuffle: bool):
@@ -209,6 +226,8 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
             opt.zero_grad(set_to_none=True)
             lv.backward()
             opt.step()
+            if sparse_opt is not None:
+                sparse_opt.step()
             loss = float(lv.detach())
             seeds += out[pt].numel()
             batches += 1
@@ -218,6 +237,7 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
             best = {"valid_acc": valid, "test_acc": test, "epoch": epoch}
     return {"system": "dgl-hetero", "dataset": hg.dataset, "model": "HeteroGraphConv(SAGEConv)",
             "featureless": featureless, "feat_ntypes": hg.feat_ntypes,
+            "emb_optimizer": emb_optimizer if embeds else None,
             "fanouts": fanouts, "batch_size": batch_size, "hidden": hidden, "epochs": epochs,
             "dropout": dropout, "batches": batches, "seeds": seeds,
             "train_s": round(train_s, 3), "seeds_per_s": round(seeds / max(train_s, 1e-9), 1),
@@ -251,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--featureless", choices=("embed", "zeros"), default="embed",
                    help="node types without features: learnable embeddings (default) or the "
                         "set's zero rows")
+    p.add_argument("--emb-optimizer", choices=("sparse-adam", "adam"), default="sparse-adam",
+                   help="featureless types' embeddings: dgl.nn.NodeEmbedding + "
+                        "dgl.optim.SparseAdam (default, as DGL / mfgserve train them) or a "
+                        "dense nn.Embedding in the model's Adam")
+    p.add_argument("--emb-lr", type=float, default=0.01,
+                   help="--emb-optimizer sparse-adam: its learning rate (mfgserve's "
+                        "--node-emb-lr default)")
+    p.add_argument("--emb-init", type=float, default=1.0,
+                   help="--emb-optimizer sparse-adam: rows start U(-x, x) (mfgserve's "
+                        "server-held embeddings: 1.0)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
@@ -270,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                            hidden=args.hidden, dropout=args.dropout,
                            featureless=args.featureless, seed=args.seed, lr=args.lr,
                            weight_decay=args.weight_decay, num_workers=args.num_workers,
-                           max_batches=args.max_batches)
+                           max_batches=args.max_batches, emb_optimizer=args.emb_optimizer,
+                           emb_lr=args.emb_lr, emb_init=args.emb_init)
     print(json.dumps(res), flush=True)
     return 0
 
