@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import Tensor
 
 from common.config import MODEL_NAMES, TrainerConfig, parse_rel_fanouts
@@ -163,16 +164,14 @@ def typed_inputs(mfg: HeteroMFG, emb, info) -> dict[str, Tensor]:
         x = feats[""].float()
         if emb is None:
             return {"": x}
-        import torch
-
         return {"": torch.cat([x, emb.lookup(mfg.input_nodes[""], device=x.device)], dim=1)}
     no_feat = set(featureless(info)) if emb is not None else set()
-    out = {}
-    for t, ids in mfg.input_nodes.items():
-        if t in no_feat:
-            out[t] = emb.lookup(ids, device=ids.device)
-        else:
-            out[t] = feats[t].float()
+    out = {t: feats[t].float() for t in mfg.input_nodes if t not in no_feat}
+    want = [t for t in mfg.input_nodes if t in no_feat]
+    if want:  # one lookup (one request per part) for every featureless type's rows
+        ids = [mfg.input_nodes[t] for t in want]
+        rows = emb.lookup(torch.cat(ids), device=ids[0].device)
+        out.update(zip(want, torch.split(rows, [i.numel() for i in ids])))
     return out
 
 
