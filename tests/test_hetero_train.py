@@ -93,6 +93,13 @@ def test_one_part_embeddings_ring_checkpoint_and_resume(mag, tmp_path):
     assert emb["dim"] == 16 and emb["bytes_per_server"]["0"] > 0
     assert emb["ntypes"] == ["author", "field_of_study", "institution"]
     assert s["num_parts"] == 1 and s["epochs_done"] == 2
+    # Without the ring the same batches are sampled (deterministic sampling) and their
+    # features come in frames: the same training, so each type's rows were split right.
+    w = _worker(mag["p1"], ["--num-trainers", 1, "--node-emb-dim", 16, "--epochs", 2,
+                            "--no-shm-ring", "--run-dir", tmp_path / "wire"], tmp_path)
+    assert w["shm_ring"] is None
+    assert w["final_loss"] == pytest.approx(s["final_loss"], rel=1e-3, abs=1e-4)
+    assert w["valid_acc"] == pytest.approx(s["valid_acc"], abs=0.002)
     r = _worker(mag["p1"], [*args, "--epochs", 3, "--resume"], tmp_path)
     assert r["resumed_from"].endswith("epoch-000002.pt"), r
     assert r["epochs_done"] == 3 and r["test_acc"] > BAR
