@@ -144,6 +144,40 @@ class DGLRelSAGE(nn.Module):
         return h
 
 
+class MfgServeRelSAGE(nn.Module):
+    """``--model rsage``: mfgserve's own RelGraphSAGE (trainer_client.hetero_model) on DGL's
+    sampled blocks (each turned into a common.mfg.HeteroBlock): DGL's pipeline with
+    mfgserve's model, to tell a difference of the systems from one of the models (one self
+    loop and bias per node type vs HeteroGraphConv's one SAGEConv fc_self and bias per
+    relation, summed)."""
+
+    def __init__(self, ntypes, etypes, in_feats: int, hidden: int, num_classes: int,
+                 num_layers: int, predict_ntype: str, dropout: float = 0.0):
+        super().__init__()
+        from trainer_client.hetero_model import RelGraphSAGE
+
+        self.net = RelGraphSAGE(list(ntypes), list(etypes), {t: in_feats for t in ntypes},
+                                hidden, num_classes, num_layers, predict_ntype,
+                                dropout=dropout)
+        self.predict_ntype = predict_ntype
+
+    @staticmethod
+    def hetero_block(block):
+        from common.mfg import Block, HeteroBlock
+
+        rels = {}
+        for rel in block.canonical_etypes:
+            indptr, indices, _ = block.adj_tensors("csc", rel)
+            rels[rel] = Block(indptr, indices, block.num_src_nodes(rel[0]),
+                              block.num_dst_nodes(rel[2]))
+        return HeteroBlock(list(block.srctypes),
+                           {t: block.num_src_nodes(t) for t in block.srctypes},
+                           {t: block.num_dst_nodes(t) for t in block.dsttypes}, rels)
+
+    def forward(self, blocks, x: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {self.predict_ntype: self.net([self.hetero_block(b) for b in blocks], x)}
+
+
 def _fanout_arg(fanouts: list, etypes) -> list:
     """Per layer an int (every relation) or a {relation: int} map, as NeighborSampler takes."""
     out = []
@@ -158,14 +192,20 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
                      featureless: str = "embed", seed: int = 0, lr: float = 3e-3,
                      weight_decay: float = 5e-4, num_workers: int = 0,
                      max_batches: int | None = None, emb_optimizer: str = "sparse-adam",
-                     emb_lr: float = 0.01, emb_init: float = 1.0) -> dict:
+                     emb_lr: float = 0.01, emb_init: float = 1.0,
+                     model_name: str = "hetero-sage") -> dict:
     dgl = import_dgl()
     hg = graph if isinstance(graph, HeteroGraph) else load_full_heterograph(graph)
     g, pt = hg.g, hg.predict_ntype
     torch.manual_seed(seed)
     dgl.seed(seed)
     etypes = list(g.canonical_etypes)
-    model = DGLRelSAGE(etypes, hg.feat_dim, hidden, hg.num_classes, len(fanouts), dropout)
+    model: nn.Module
+    if model_name == "rsage":
+        model = MfgServeRelSAGE(g.ntypes, etypes, hg.feat_dim, hidden, hg.num_classes,
+                                len(fanouts), pt, dropout)
+    else:
+        model = DGLRelSAGE(etypes, hg.feat_dim, hidden, hg.num_classes, len(fanouts), dropout)
     embeds: dict = {}
     sparse_opt = None
     if featureless == "embed":
@@ -228,6 +268,9 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
             opt.step()
             if sparse_opt is not None:
                 sparse_opt.step()
+                # forget this batch's lookups: DGL's NodeEmbedding keeps every lookup in its
+                # trace until zero_grad, and a later step() would apply them again
+                sparse_opt.zero_grad()
             loss = float(lv.detach())
             seeds += out[pt].numel()
             batches += 1
@@ -235,7 +278,8 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
         valid, test = evaluate(hg.valid), evaluate(hg.test)
         if valid > best["valid_acc"]:
             best = {"valid_acc": valid, "test_acc": test, "epoch": epoch}
-    return {"system": "dgl-hetero", "dataset": hg.dataset, "model": "HeteroGraphConv(SAGEConv)",
+    return {"system": "dgl-hetero", "dataset": hg.dataset, "model": ("mfgserve RelGraphSAGE" if model_name == "rsage"
+                                                    else "HeteroGraphConv(SAGEConv)"),
             "featureless": featureless, "feat_ntypes": hg.feat_ntypes,
             "emb_optimizer": emb_optimizer if embeds else None,
             "fanouts": fanouts, "batch_size": batch_size, "hidden": hidden, "epochs": epochs,
@@ -271,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--featureless", choices=("embed", "zeros"), default="embed",
                    help="node types without features: learnable embeddings (default) or the "
                         "set's zero rows")
+    p.add_argument("--model", choices=("hetero-sage", "rsage"), default="hetero-sage",
+                   help="hetero-sage: dgl.nn.HeteroGraphConv of SAGEConv (the reference); "
+                        "rsage: mfgserve's RelGraphSAGE on DGL's blocks (same function, one "
+                        "self loop per node type instead of one per relation)")
     p.add_argument("--emb-optimizer", choices=("sparse-adam", "adam"), default="sparse-adam",
                    help="featureless types' embeddings: dgl.nn.NodeEmbedding + "
                         "dgl.optim.SparseAdam (default, as DGL / mfgserve train them) or a "
@@ -301,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                            featureless=args.featureless, seed=args.seed, lr=args.lr,
                            weight_decay=args.weight_decay, num_workers=args.num_workers,
                            max_batches=args.max_batches, emb_optimizer=args.emb_optimizer,
-                           emb_lr=args.emb_lr, emb_init=args.emb_init)
+                           emb_lr=args.emb_lr, emb_init=args.emb_init,
+                           model_name=args.model)
     print(json.dumps(res), flush=True)
     return 0
 
