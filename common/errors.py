@@ -37,6 +37,11 @@ class PeerDisconnectedError(MfgServeError, ConnectionError):
     """A peer's connection dropped with requests unanswered (it died or restarted)."""
 
 
+class StoppingError(MfgServeError):
+    """This process is stopping: a wait for a peer's reply was given up (a server stops within
+    moments of SIGTERM, not after a request to a dead peer times out)."""
+
+
 class RemoteError(MfgServeError):
     """A peer answered with an error reply."""
 

@@ -27,13 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from common.errors import MfgServeError, PeerDisconnectedError, PeerTimeoutError, RemoteError
+from common.errors import (
+    MfgServeError,
+    PeerDisconnectedError,
+    PeerTimeoutError,
+    RemoteError,
+    StoppingError,
+)
 from common.messages import Message
 from common.rpc import RECONNECT_GRACE_S, RpcChannel, expect
 from common.sockets import Deadline
@@ -63,7 +70,7 @@ class ReplicaSet:
     def __init__(self, partitions: Mapping[int, Sequence[str]],
                  connect: Callable[[str], RpcChannel], *, suspect_s: float = SUSPECT_S,
                  set_id: str = "", clock: Callable[[], float] = time.monotonic,
-                 fail_fast: bool = False):
+                 fail_fast: bool = False, stop: threading.Event | None = None):
         self.partitions = {p: list(eps) for p, eps in partitions.items()}
         self.connect = connect
         self.suspect_s = suspect_s
@@ -80,6 +87,10 @@ class ReplicaSet:
         # requests (a trainer cannot finish an epoch without every part; a request to another
         # part may be stuck behind a server waiting on the lost one for its peer timeout).
         self.fail_fast = fail_fast
+        # Set when the owner stops (a server's SIGTERM): every wait ends within MEANWHILE_S
+        # with StoppingError instead of running on to its deadline (a dead peer's request
+        # would otherwise hold the stop up to --peer-timeout-s).
+        self.stop = stop
 
     # ------------------------------------------------------------------ policy
     def channel(self, endpoint: str) -> RpcChannel:
@@ -152,10 +163,10 @@ class ReplicaSet:
             if reply is not None:
                 return reply
             ch = handle.channel
+            what = f"the reply to {handle.msg.TYPE.name} for part {handle.part}"
             try:
-                self._receive(ch, f"the reply to {handle.msg.TYPE.name} for part {handle.part}",
-                              meanwhile=partial(self._check_others, ch) if self.fail_fast
-                              else None)
+                self._receive(ch, what, meanwhile=partial(self._meanwhile, ch, what)
+                              if self.fail_fast or self.stop is not None else None)
             except (PeerDisconnectedError, PeerTimeoutError) as e:
                 if isinstance(e, PeerTimeoutError):
                     self.mark_suspect(ch.endpoint)
@@ -205,6 +216,15 @@ class ReplicaSet:
             self._fail(handle, MfgServeError("cancelled"))
 
     # ------------------------------------------------------------------ internals
+    def _meanwhile(self, awaited: RpcChannel, what: str) -> None:
+        """Called while a wait on ``awaited`` sees nothing: give up if stopping, then (with
+        ``fail_fast``) look at the other channels."""
+        if self.stop is not None and self.stop.is_set():
+            raise StoppingError(f"stopped waiting for {what} from {awaited.endpoint}: this "
+                                "process is stopping")
+        if self.fail_fast:
+            self._check_others(awaited)
+
     def _check_others(self, awaited: RpcChannel) -> None:
         """While waiting on ``awaited``: fail over the requests of any other channel whose
         connection dropped, and raise at once if that leaves a part with no server."""

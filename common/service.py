@@ -45,6 +45,7 @@ from common.errors import (
     PeerTimeoutError,
     ProtocolError,
     RemoteError,
+    StoppingError,
 )
 from common.messages import ErrorReply, Message, MsgType
 from common.sockets import CurveKeys, bound_endpoint, make_socket
@@ -60,6 +61,7 @@ REQUEST_ERRORS: tuple[tuple[type[Exception], str], ...] = (
     (PeerTimeoutError, "peer_timeout"),
     (PeerDisconnectedError, "peer_disconnected"),
     (RemoteError, "peer_error"),
+    (StoppingError, "stopping"),
 )
 
 

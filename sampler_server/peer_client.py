@@ -10,6 +10,7 @@ common/replicas.py). Every request names this server's partition set.
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -28,13 +29,14 @@ if TYPE_CHECKING:  # the runtime owns the context; this module only passes it on
 
 class WirePeers:
     def __init__(self, ctx: zmq.Context, cluster: ClusterSpec, cfg: ServerConfig,
-                 curve: CurveKeys | None = None, set_id: str = ""):
+                 curve: CurveKeys | None = None, set_id: str = "",
+                 stop: threading.Event | None = None):
         self.replicas = ReplicaSet(cluster.partitions, partial(
             RpcChannel, ctx, timeout_s=cfg.peer_timeout_s,
             setting="the servers' --peer-timeout-s", max_message_bytes=cfg.max_message_mb << 20,
             curve=curve, heartbeat_s=cfg.heartbeat_s,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s),
-            suspect_s=cfg.replica_suspect_s, set_id=set_id)
+            suspect_s=cfg.replica_suspect_s, set_id=set_id, stop=stop)
 
     @property
     def bytes_received(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -115,12 +116,14 @@ def typed_fanouts(msg: SampleRequest, store: PartitionStore) -> list[list[int]] 
 
 class SampleWorker:
     def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank,
-                 ctx: zmq.Context, cluster: ClusterSpec | None, keys: CurveKeys | None):
+                 ctx: zmq.Context, cluster: ClusterSpec | None, keys: CurveKeys | None,
+                 stop: threading.Event | None = None):
         self.cfg = cfg
         self.store = store
         self.hot_rank = hot_rank
-        self.peers = (WirePeers(ctx, cluster, cfg, curve=keys, set_id=store.meta.set_id)
-                      if cluster else None)
+        # stop: the server's stop event; a peer wait ends with it (see ReplicaSet.stop)
+        self.peers = (WirePeers(ctx, cluster, cfg, curve=keys, set_id=store.meta.set_id,
+                                stop=stop) if cluster else None)
         self.scratch = new_scratch(store.meta.num_nodes)
         self.shm = ShmWriter()
 

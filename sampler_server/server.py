@@ -31,6 +31,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import threading
 import uuid
 
 import numpy as np
@@ -175,13 +176,16 @@ def load_cluster(cfg: ServerConfig, num_parts: int) -> ClusterSpec | None:
 
 
 def make_executor(cfg: ServerConfig, store: PartitionStore, hot_rank,
-                  cluster: ClusterSpec | None) -> Executor:
-    """Sampler processes (--sampler-procs) or threads (--num-workers)."""
+                  cluster: ClusterSpec | None, stop: threading.Event | None = None
+                  ) -> Executor:
+    """Sampler processes (--sampler-procs) or threads (--num-workers); ``stop``: the
+    service's stop event, which ends the threads' waits on peers at once."""
     if cfg.sampler_procs > 0:
         return ProcessExecutor(lambda backend, i: worker_argv(cfg, backend, i),
                                cfg.sampler_procs, cfg.max_queue, cfg.peer_timeout_s + 2)
     keys = peer_keys(cfg, cluster)
-    return ThreadExecutor(lambda ctx: SampleWorker(cfg, store, hot_rank, ctx, cluster, keys),
+    return ThreadExecutor(lambda ctx: SampleWorker(cfg, store, hot_rank, ctx, cluster, keys,
+                                                   stop=stop),
                           cfg.num_workers, cfg.max_queue, cfg.peer_timeout_s + 1)
 
 
@@ -204,7 +208,8 @@ class SamplerServer:
         tensors = NodeTensorStore(cfg.part_id, self.store.start, self.store.end,
                                   cfg.max_node_tensor_mb << 20)
         tensors.register(self.service)
-        self.service.use(make_executor(cfg, self.store, hot_rank, cluster))
+        self.service.use(make_executor(cfg, self.store, hot_rank, cluster,
+                                       stop=self.service.stop_event))
         StatusReporter(self.service, cfg, self.store.meta, handlers.server_id,
                        tensors).install()
 

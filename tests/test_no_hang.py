@@ -171,3 +171,27 @@ def test_a_lost_part_ends_a_wait_on_another_part(server_factory, synth_parts2, t
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
         pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_server_stops_at_once_while_a_sampler_waits_on_a_frozen_peer(server_factory,
+                                                                     synth_parts2, tmp_path):
+    """SIGTERM ends a server within seconds even while a sampling thread waits for a peer
+    that will not answer (SIGSTOPped: the wait would last --peer-timeout-s, 20 s here): the
+    stop event ends the wait (ReplicaSet.stop), so the thread and the process finish."""
+    from common.messages import SampleRequest, SeedsReply, SeedsRequest
+
+    _cluster, servers = _tcp_servers(server_factory, synth_parts2, tmp_path)
+    frozen, server = servers
+    seeds = call(server.endpoint, SeedsRequest(split="train"), SeedsReply).seeds[:64]
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        with channel(server.endpoint, timeout_s=60) as ch:
+            ch.send(SampleRequest(seeds=seeds, fanouts=[10, 10]))
+            time.sleep(2.0)  # a sampling thread takes it and waits on the frozen peer
+            t0 = time.monotonic()
+            code = server.stop_and_check(timeout=10.0)  # < the 20 s peer timeout
+            assert code == 0 and time.monotonic() - t0 < 10.0
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        frozen.stop_and_check()
