@@ -79,6 +79,8 @@ def load_full_graph(parts_dir: str | Path) -> FullGraph:
     t0 = time.perf_counter()
     dgl = import_dgl()
     meta = PartitionSetMeta.load(parts_dir)
+    # multiclass: int64 classes; binary (multi-label): float32 [n, num_tasks], NaN unknown
+    label_dtype = np.int64 if meta.task_type == "multiclass" else np.float32
     indptrs, indices, feats, labels = [], [], [], []
     splits: dict[str, list[np.ndarray]] = {"train": [], "valid": [], "test": []}
     edge_base = 0
@@ -89,7 +91,7 @@ def load_full_graph(parts_dir: str | Path) -> FullGraph:
         edge_base += int(ip[-1])
         indices.append(np.asarray(part.indices, dtype=np.int64))
         feats.append(_feat_as_float32(part.feat, meta.feat_dtype))
-        labels.append(torch.from_numpy(np.array(part.label, dtype=np.int64)))
+        labels.append(torch.from_numpy(np.array(part.label, dtype=label_dtype)))
         for s in splits:
             splits[s].append(np.asarray(getattr(part, s), dtype=np.int64))
     indptr = torch.from_numpy(np.concatenate(indptrs))

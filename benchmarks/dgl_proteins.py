@@ -49,13 +49,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
-from benchmarks.dgl_pipeline import DGLGraphSAGE, torch_and_dgl_threads
+from benchmarks.dgl_pipeline import DGLGraphSAGE, load_full_graph, torch_and_dgl_threads
 from common.dgl_compat import import_dgl
-from partition.layout import PartitionSetMeta, load_partition
+from partition.layout import PartitionSetMeta
 from trainer_client.metrics import Task, loss_fn, rocauc
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -63,33 +62,14 @@ _REPO = Path(__file__).resolve().parents[1]
 
 def load_multilabel_graph(parts_dir: str | Path):
     """(DGLGraph with ndata feat / label, {split: seeds}, meta) of a binary-task partition
-    set: every part's in-edges joined into one CSC over global ids."""
-    dgl = import_dgl()
+    set: :func:`benchmarks.dgl_pipeline.load_full_graph` (labels float32 [N, T])."""
     meta = PartitionSetMeta.load(parts_dir)
     if meta.task_type != "binary":
         raise SystemExit(f"{parts_dir} is a {meta.task_type} set; this reference is for "
                          "binary (multi-label) sets, e.g. partition-ogbn --dataset "
                          "synthetic-proteins")
-    indptrs, indices, feats, labels = [], [], [], []
-    splits: dict[str, list[np.ndarray]] = {"train": [], "valid": [], "test": []}
-    base = 0
-    for p in range(meta.num_parts):
-        part = load_partition(parts_dir, p, mmap=True)
-        ip = np.asarray(part.indptr, dtype=np.int64)
-        indptrs.append(ip[:-1] + base if p < meta.num_parts - 1 else ip + base)
-        base += int(ip[-1])
-        indices.append(np.asarray(part.indices, dtype=np.int64))
-        feats.append(np.array(part.feat, dtype=np.float32))
-        labels.append(np.array(part.label, dtype=np.float32))
-        for s in splits:
-            splits[s].append(np.asarray(getattr(part, s), dtype=np.int64))
-    idx = torch.from_numpy(np.concatenate(indices))
-    g = dgl.graph(("csc", (torch.from_numpy(np.concatenate(indptrs)), idx,
-                           torch.arange(idx.numel()))), num_nodes=meta.num_nodes,
-                  idtype=torch.int64)
-    g.ndata["feat"] = torch.from_numpy(np.concatenate(feats))
-    g.ndata["label"] = torch.from_numpy(np.concatenate(labels))
-    return g, {s: torch.from_numpy(np.concatenate(v)) for s, v in splits.items()}, meta
+    fg = load_full_graph(parts_dir)
+    return fg.g, {"train": fg.train, "valid": fg.valid, "test": fg.test}, meta
 
 
 def _loader(g, seeds: Tensor, fanouts: list[int], batch_size: int, shuffle: bool):
