@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from common.errors import ConfigError
 from common.mfg import CanonicalEtype, HeteroBlock, HeteroMFG
-from trainer_client.model import Dropout, mean_aggregate
+from trainer_client.model import LayerwiseGNN, mean_aggregate
 
 __all__ = ["AGGREGATORS", "HETERO_SPEC_KEYS", "RelGraphConv", "RelGraphSAGE",
            "check_hetero_spec", "build_hetero_model", "hetero_spec"]
@@ -136,35 +136,31 @@ class RelGraphConv(nn.Module):
         return out
 
 
-class RelGraphSAGE(nn.Module):
-    """Layers of :class:`RelGraphConv` with ReLU and dropout between them; ``forward(mfg, x)``
-    takes a :class:`~common.mfg.HeteroMFG` (or a list of HeteroBlocks) and a dict node type
-    -> input features, and returns the logits of the ``predict_ntype`` output nodes."""
+class RelGraphSAGE(LayerwiseGNN):
+    """Layers of :class:`RelGraphConv` with ReLU and dropout between them (the layer loop and
+    its layer-count check are :class:`~trainer_client.model.LayerwiseGNN`'s); ``forward(mfg,
+    x)`` takes a :class:`~common.mfg.HeteroMFG` (or a list of HeteroBlocks) and a dict node
+    type -> input features, and returns the logits of the ``predict_ntype`` output nodes."""
 
     def __init__(self, ntypes: list[str], etypes: list[CanonicalEtype],
                  in_feats: dict[str, int], hidden: int, num_classes: int, num_layers: int,
                  predict_ntype: str, aggregator: str = "mean", dropout: float = 0.0):
-        super().__init__()
         if predict_ntype not in ntypes:
             raise ConfigError(f"predict_ntype {predict_ntype!r} is not one of the node types "
                               f"{list(ntypes)}")
-        self.ntypes, self.etypes = list(ntypes), [tuple(e) for e in etypes]
-        self.predict_ntype = predict_ntype
+        ntypes, etypes = list(ntypes), [tuple(e) for e in etypes]
         outs = [hidden] * (num_layers - 1) + [num_classes]
         layers = []
         dims = dict(in_feats)
         for o in outs:
-            layers.append(RelGraphConv(self.ntypes, self.etypes, dims, o, aggregator))
-            dims = {t: o for t in self.ntypes}
-        self.layers = nn.ModuleList(layers)
-        self.dropout = Dropout(dropout)
+            layers.append(RelGraphConv(ntypes, etypes, dims, o, aggregator))
+            dims = {t: o for t in ntypes}
+        super().__init__(layers, dropout)
+        self.ntypes, self.etypes = ntypes, etypes
+        self.predict_ntype = predict_ntype
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def forward_layer(self, i: int, block: HeteroBlock, h: dict[str, Tensor]
-                      ) -> dict[str, Tensor]:
+    def forward_layer(self, i: int, block: HeteroBlock,
+                      h: dict[str, Tensor]) -> dict[str, Tensor]:
         """Layer i and the ReLU + dropout after it (none after the last)."""
         h = self.layers[i](block, h)
         if i == len(self.layers) - 1:
@@ -177,13 +173,7 @@ class RelGraphSAGE(nn.Module):
         if isinstance(blocks, HeteroMFG) and blocks.seed_ntype != self.predict_ntype:
             raise ValueError(f"the MFG's seeds are of node type {blocks.seed_ntype!r}, the "
                              f"model predicts {self.predict_ntype!r}")
-        if len(blocks) != len(self.layers):
-            raise ValueError(f"{type(self).__name__} has {len(self.layers)} layers but got "
-                             f"{len(blocks)} blocks: sample one block per layer (as many "
-                             "fanouts as layers)")
-        h = x
-        for i, block in enumerate(blocks):
-            h = self.forward_layer(i, block, h)
+        h = super().forward(blocks, x)
         if self.predict_ntype not in h:  # a batch with no seeds
             return x[self.predict_ntype].new_zeros((0, self.layers[-1].out_feats))
         return h[self.predict_ntype]
