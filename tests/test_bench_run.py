@@ -139,6 +139,8 @@ def test_hetero_step_both_sides_on_one_typed_graph(tmp_path):
     assert h["graph"]["papers"] == 1500 and len(h["graph"]["ntypes"]) == 4
     assert len(h["graph"]["relations"]) == 7  # 4 relations + 3 rev_* (cites symmetrised)
     assert h["dgl"]["seeds"] > 0 and h["dgl"]["seeds_per_s"] > 0
+    assert h["dgl"]["model"] == "mfgserve RelGraphSAGE"  # the ratio's baseline: same model
+    assert h["dgl_heteroconv"]["seeds_per_s"] > 0 and h["ratio_vs_heteroconv"] > 0
     assert h["mfgserve"]["seeds_per_s"] > 0 and h["mfgserve"]["model"] == "rsage"
     assert 0 <= h["dgl"]["test_acc"] <= 1 and 0 <= h["mfgserve"]["test_acc"] <= 1
     assert h["ratio"] > 0 and h["acc_diff"] is not None
