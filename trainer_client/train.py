@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cluster import ClusterSpec
-from common.config import InferConfig, TrainerConfig, to_dict
+from common.config import HETERO_MODEL_NAMES, InferConfig, TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
 from common.logs import bars_allowed
@@ -599,7 +599,7 @@ def _model_spec(cfg: TrainerConfig, info, task: Task | None = None) -> dict:
     binary task)."""
     out = task.num_tasks if task is not None and task.binary else info.num_classes
     name = model_name(cfg, info)  # --model auto; a homogeneous model on a typed set: refused
-    if name == "rsage":
+    if name in HETERO_MODEL_NAMES:
         return typed_spec(cfg, info, out)
     spec = {"name": name, "in_feats": info.feat_dim + cfg.node_emb_dim, "hidden": cfg.hidden,
             "num_classes": out, "num_layers": len(cfg.fanouts),
@@ -666,7 +666,7 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
     model = build_model(spec).to(device)
     # rsage: relations / node types without destinations or edges in a batch (and the last
     # layer's non-seed types) leave parameters unused; DDP must look for them every step
-    net = (DDP(model, find_unused_parameters=spec["name"] == "rsage") if ddp.world_size > 1
+    net = (DDP(model, find_unused_parameters=spec["name"] in HETERO_MODEL_NAMES) if ddp.world_size > 1
            else model)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     cache = _make_cache(cfg, pool, info, device)

@@ -24,7 +24,7 @@ names none. From that:
   figure). A set partitioned with ``--derive-features mean`` has every type featured: no
   embedding is needed, and ``--node-emb-dim`` is refused there.
 * ``--eval full`` (layer-wise inference) is refused for typed sets and models, naming
-  ``--eval sampled``; so is the feature cache (``--cache-ratio``).
+  ``--eval sampled``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import logging
 import torch
 from torch import Tensor
 
-from common.config import MODEL_NAMES, TrainerConfig, parse_rel_fanouts
+from common.config import HETERO_MODEL_NAMES, MODEL_NAMES, TrainerConfig, parse_rel_fanouts
 from common.errors import ConfigError
 from common.mfg import HeteroMFG
 from trainer_client.hetero_model import hetero_spec
@@ -72,7 +72,7 @@ def model_name(cfg: TrainerConfig, info) -> str:
 def check_typed_run(cfg: TrainerConfig, info) -> None:
     """Refuse options that typed training does not support, each naming what to change."""
     name = model_name(cfg, info)
-    if name != "rsage":
+    if name not in HETERO_MODEL_NAMES:
         if cfg.rel_fanouts:
             raise ConfigError(f"--rel-fanouts sets per-relation fanouts of typed partition "
                               f"sets; {info.dataset} is homogeneous: use --fanouts")
@@ -80,9 +80,6 @@ def check_typed_run(cfg: TrainerConfig, info) -> None:
     if cfg.eval == "full":
         raise ConfigError("--eval full (layer-wise inference) does not run typed graphs or "
                           "models (--model rsage) yet; use --eval sampled")
-    if cfg.cache_ratio > 0:
-        raise ConfigError("--cache-ratio: the feature cache does not serve typed MFGs "
-                          "(--model rsage); run with --cache-ratio 0")
     if is_typed(info) and cfg.node_emb_dim > 0 and not featureless(info):
         raise ConfigError(
             f"--node-emb-dim {cfg.node_emb_dim}: every node type of {info.dataset} has "
@@ -125,7 +122,7 @@ def ring_fanouts(cfg: TrainerConfig, info, fanouts: list[int]) -> list[int]:
 
 def loader_args(cfg: TrainerConfig, info, fanouts: list[int], rel_fanouts: str) -> dict:
     """DistNodeDataLoader's typed arguments (none for a homogeneous model)."""
-    if model_name(cfg, info) != "rsage":
+    if model_name(cfg, info) not in HETERO_MODEL_NAMES:
         return {}
     return {"hetero": True, "rel_fanouts": rel_fanout_table(fanouts, rel_fanouts, info),
             "seed_ntype": info.predict_ntype if is_typed(info) else ""}
