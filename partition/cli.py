@@ -186,21 +186,56 @@ def _load(cfg: PartitionConfig, progress: bool):
                     edge_feat_to_node=cfg.edge_feat_to_node, node_species=cfg.node_species)
 
 
-def _run_proteins(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
-    """``--dataset synthetic-proteins``: generate (partition/proteins.py) into ``--raw-out``
-    (or a temporary directory) in ogbn-proteins' raw layout, then, with ``--out``, partition
-    it read back through ogb exactly as ``--dataset-dir`` would."""
+def _generate_then_partition(cfg: PartitionConfig, progress: bool, t0: float, prefix: str,
+                             write, read, *, hint: str = "",
+                             stream_reverse: bool | None = None) -> dict:
+    """The generators' common run. ``write(raw_dir)`` generates into ``--raw-out`` (or a
+    temporary directory, removed at the end) and returns the summary so far; with ``--out``
+    the raw layout is read back exactly as ``--dataset-dir`` would read it: streamed (--method
+    fennel / ldg) when ``stream_reverse`` is not None (its --add-reverse-edges), else loaded in
+    memory by ``read(raw_dir)`` and partitioned. ``hint``: what to add to --dataset-dir to read
+    --raw-out back."""
     import shutil
 
+    raw_dir = cfg.synthetic.raw_out
+    tmp = None
+    if not raw_dir:
+        tmp = raw_dir = _temp_raw_dir(cfg, prefix)
+    try:
+        result = write(raw_dir)
+        if cfg.synthetic.raw_out:
+            result["raw_out"] = str(Path(raw_dir))
+            print(f"{PROG}: read it with --dataset-dir {raw_dir}{hint}", file=sys.stderr)
+        if not cfg.out:
+            return result
+        if stream_reverse is not None and cfg.streaming():
+            source = _open_raw(cfg, raw_dir)
+            result.update(dataset=source.name, num_nodes=source.num_nodes, load_s=0.0)
+            result.update(_partition_stream(cfg, source, stream_reverse, progress, 0.0, t0))
+            return result
+        t = time.perf_counter()
+        data = read(raw_dir)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    load_s = time.perf_counter() - t
+    print(f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} directed "
+          f"edges in {load_s:.1f} s", file=sys.stderr)
+    result.update(dataset=data.name, num_nodes=data.num_nodes, num_edges=data.num_edges,
+                  load_s=round(load_s, 3))
+    result.update(_partition(cfg, data, progress, load_s, t0))
+    return result
+
+
+def _run_proteins(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
+    """``--dataset synthetic-proteins``: generate (partition/proteins.py) in ogbn-proteins'
+    raw layout, then partition it read back through ogb (:func:`_generate_then_partition`)."""
     from partition.ogbn import load_ogb
     from partition.proteins import generate_proteins, write_proteins_raw
 
     syn = cfg.synthetic.resolved("synthetic-proteins")
-    raw_dir = cfg.synthetic.raw_out
-    tmp = None
-    if not raw_dir:
-        tmp = raw_dir = _temp_raw_dir(cfg, "mfgserve-proteins-")
-    try:
+
+    def write(raw_dir: str) -> dict:
         t = time.perf_counter()
         data = generate_proteins(syn.num_nodes, avg_degree=syn.avg_degree,
                                  num_tasks=syn.num_tasks, homophily=syn.homophily,
@@ -212,30 +247,14 @@ def _run_proteins(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
         except OSError as e:
             raise CliError(describe_os_error(e, f"writing ogbn-proteins' raw layout to "
                                                 f"{raw_dir} failed")) from e
-        result = {"dataset": data.name, "generate_s": round(gen_s, 3),
-                  "raw_write_s": round(time.perf_counter() - t, 3),
-                  "num_tasks": data.num_tasks}
-        if cfg.synthetic.raw_out:
-            result["raw_out"] = str(Path(raw_dir))
-            print(f"{PROG}: read it with --dataset-dir {raw_dir}", file=sys.stderr)
-        if not cfg.out:
-            return result
-        t = time.perf_counter()
-        graph = load_ogb(dataset_dir=raw_dir, work_dir=cfg.work_dir or None,
-                         edge_feat_to_node=cfg.edge_feat_to_node,
-                         node_species=cfg.node_species)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    load_s = time.perf_counter() - t
-    print(f"{PROG}: loaded {graph.name} through ogb: {graph.num_nodes:,} nodes, "
-          f"{graph.num_edges:,} directed edges, {graph.feat_dim}-dim node features, "
-          f"{graph.num_tasks} binary tasks in {load_s:.1f} s", file=sys.stderr)
-    result.update(num_nodes=graph.num_nodes, num_edges=graph.num_edges,
-                  load_s=round(load_s, 3))
-    result.update(_partition(cfg, graph, progress, load_s, t0))
-    return result
+        return {"dataset": data.name, "generate_s": round(gen_s, 3),
+                "raw_write_s": round(time.perf_counter() - t, 3), "num_tasks": data.num_tasks}
 
+    def read(raw_dir: str):
+        return load_ogb(dataset_dir=raw_dir, work_dir=cfg.work_dir or None,
+                        edge_feat_to_node=cfg.edge_feat_to_node, node_species=cfg.node_species)
+
+    return _generate_then_partition(cfg, progress, t0, "mfgserve-proteins-", write, read)
 
 def _refuse_multilabel_streaming(cfg: PartitionConfig) -> None:
     """A multi-label dataset (binary tasks, e.g. ogbn-proteins) is partitioned in memory."""
@@ -285,19 +304,13 @@ def _refuse_typed_streaming(cfg: PartitionConfig, typed: bool | None = None) -> 
 
 
 def _run_mag(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
-    """``--dataset synthetic-mag``: generate (partition/maggen.py) into ``--raw-out`` (or a
-    temporary directory) in ogbn-mag's heterogeneous raw layout, then, with ``--out``,
-    partition it read back exactly as ``--dataset-dir`` would."""
-    import shutil
-
+    """``--dataset synthetic-mag``: generate (partition/maggen.py) in ogbn-mag's
+    heterogeneous raw layout, then partition it read back (:func:`_generate_then_partition`)."""
     from partition.maggen import generate_mag, write_mag_raw
 
     syn = cfg.synthetic.resolved("synthetic-mag")
-    raw_dir = cfg.synthetic.raw_out
-    tmp = None
-    if not raw_dir:
-        tmp = raw_dir = _temp_raw_dir(cfg, "mfgserve-mag-")
-    try:
+
+    def write(raw_dir: str) -> dict:
         t = time.perf_counter()
         g = generate_mag(syn.num_nodes, feat_dim=syn.feat_dim, num_classes=syn.num_classes,
                          train_frac=syn.train_frac, valid_frac=syn.valid_frac, seed=cfg.seed,
@@ -315,25 +328,11 @@ def _run_mag(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
               f"{sum(s.size for s, _ in g.edges.values()):,} edges in 4 relations) in "
               f"{gen_s:.1f} s, wrote OGB's heterogeneous raw layout in {write_s:.1f} s",
               file=sys.stderr)
-        result = {"dataset": g.name, "generate_s": round(gen_s, 3),
-                  "raw_write_s": round(write_s, 3), "type_nodes": dict(g.num_nodes)}
-        if cfg.synthetic.raw_out:
-            result["raw_out"] = str(Path(raw_dir))
-            print(f"{PROG}: read it with --dataset-dir {raw_dir}", file=sys.stderr)
-        if not cfg.out:
-            return result
-        t = time.perf_counter()
-        data = _load_typed(cfg, raw_dir)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    load_s = time.perf_counter() - t
-    print(f"{PROG}: loaded {data.name}: {data.num_nodes:,} nodes, {data.num_edges:,} directed "
-          f"edges in {load_s:.1f} s", file=sys.stderr)
-    result.update(num_nodes=data.num_nodes, num_edges=data.num_edges, load_s=round(load_s, 3))
-    result.update(_partition(cfg, data, progress, load_s, t0))
-    return result
+        return {"dataset": g.name, "generate_s": round(gen_s, 3),
+                "raw_write_s": round(write_s, 3), "type_nodes": dict(g.num_nodes)}
 
+    return _generate_then_partition(cfg, progress, t0, "mfgserve-mag-", write,
+                                    lambda raw_dir: _load_typed(cfg, raw_dir))
 
 def _typed_lines(meta) -> list[str]:
     """The summary lines of a typed set: types, relations, features, per-type balance."""
@@ -508,60 +507,29 @@ def _source_edges(source, add_reverse_edges: bool) -> int:
 
 
 def _run_rmat(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
-    """``--dataset rmat``: generate into ``--raw-out`` (or a temporary directory), then, with
-    ``--out``, partition it read back through ogb exactly as ``--dataset-dir`` would (or
-    streamed back, for --method fennel / ldg)."""
-    import shutil
-
+    """``--dataset rmat``: generate in OGB's binary layout, then partition it read back
+    through ogb (or streamed back, for --method fennel / ldg; :func:`_generate_then_partition`)."""
     from partition.ogbn import load_ogb
 
-    raw_dir = cfg.synthetic.raw_out
-    tmp = None
-    if not raw_dir:
-        tmp = raw_dir = _temp_raw_dir(cfg, "mfgserve-rmat-")
-    try:
-        result = _make_rmat(cfg, raw_dir, progress)
-        if cfg.synthetic.raw_out:
-            result["raw_out"] = str(Path(raw_dir))
-            print(f"{PROG}: read it with --dataset-dir {raw_dir}", file=sys.stderr)
-        if not cfg.out:
-            return result
-        if cfg.streaming():
-            source = _open_raw(cfg, raw_dir)
-            result.update(num_nodes=source.num_nodes, load_s=0.0)
-            result.update(_partition_stream(cfg, source, False, progress, 0.0, t0))
-            return result
-        t = time.perf_counter()
-        data = load_ogb(dataset_dir=raw_dir, work_dir=cfg.work_dir or None)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    load_s = time.perf_counter() - t
-    print(f"{PROG}: loaded {data.name} through ogb: {data.num_nodes:,} nodes, "
-          f"{data.num_edges:,} directed edges in {load_s:.1f} s", file=sys.stderr)
-    result.update(num_nodes=data.num_nodes, num_edges=data.num_edges, load_s=round(load_s, 3))
-    result.update(_partition(cfg, data, progress, time.perf_counter() - t0, t0))
-    return result
-
+    return _generate_then_partition(
+        cfg, progress, t0, "mfgserve-rmat-", lambda raw_dir: _make_rmat(cfg, raw_dir, progress),
+        lambda raw_dir: load_ogb(dataset_dir=raw_dir, work_dir=cfg.work_dir or None),
+        stream_reverse=False)
 
 def _run_binary(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
-    """``--dataset synthetic --raw-format binary``: generate by chunks (partition.biggen)
-    into ``--raw-out`` (or a temporary directory); with ``--out``, partition it read back
-    from there with --add-reverse-edges (each undirected edge is stored once): streamed
-    (--max-memory-gb, fennel / ldg) or through ogb in memory."""
-    import shutil
-
+    """``--dataset synthetic --raw-format binary``: generate by chunks (partition.biggen); with
+    ``--out``, partition it read back with --add-reverse-edges (each undirected edge is stored
+    once): streamed (--max-memory-gb, fennel / ldg) or through ogb in memory
+    (:func:`_generate_then_partition`)."""
     from partition.biggen import write_synthetic_binary
+    from partition.ogbn import load_ogb
 
     syn = cfg.synthetic.resolved()
     e = 2 * int(round(syn.num_nodes * syn.avg_degree / 2))
     itemsize = 2 if syn.feat_dtype == "float16" else 4
     _check_budget(cfg, syn.num_nodes, e, syn.feat_dim, itemsize)  # before generating
-    raw_dir = cfg.synthetic.raw_out
-    tmp = None
-    if not raw_dir:
-        tmp = raw_dir = _temp_raw_dir(cfg, "mfgserve-syn-")
-    try:
+
+    def write(raw_dir: str) -> dict:
         t = time.perf_counter()
         try:
             fig = write_synthetic_binary(
@@ -577,33 +545,15 @@ def _run_binary(cfg: PartitionConfig, progress: bool, t0: float) -> dict:
         print(f"{PROG}: generated and wrote OGB binary layout to {raw_dir} in {gen_s:.1f} s "
               f"({fig.get('nodes', syn.num_nodes):,} nodes, "
               f"{fig.get('directed_edges', e):,} directed edges)", file=sys.stderr)
-        result = {"dataset": "synthetic", "generate_s": round(gen_s, 3),
-                  "generator": {k: v for k, v in fig.items() if not isinstance(v, dict)}}
-        if cfg.synthetic.raw_out:
-            result["raw_out"] = str(Path(raw_dir))
-            print(f"{PROG}: read it with --dataset-dir {raw_dir} --add-reverse-edges",
-                  file=sys.stderr)
-        if not cfg.out:
-            return result
-        if cfg.streaming():
-            source = _open_raw(cfg, raw_dir)
-            result.update(dataset=source.name, num_nodes=source.num_nodes, load_s=0.0)
-            result.update(_partition_stream(cfg, source, True, progress, 0.0, t0))
-            return result
-        from partition.ogbn import load_ogb
+        return {"dataset": "synthetic", "generate_s": round(gen_s, 3),
+                "generator": {k: v for k, v in fig.items() if not isinstance(v, dict)}}
 
-        t = time.perf_counter()
-        data = load_ogb(dataset_dir=raw_dir, add_reverse_edges=True,
+    def read(raw_dir: str):
+        return load_ogb(dataset_dir=raw_dir, add_reverse_edges=True,
                         work_dir=cfg.work_dir or None)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    load_s = time.perf_counter() - t
-    result.update(dataset=data.name, num_nodes=data.num_nodes, num_edges=data.num_edges,
-                  load_s=round(load_s, 3))
-    result.update(_partition(cfg, data, progress, load_s, t0))
-    return result
 
+    return _generate_then_partition(cfg, progress, t0, "mfgserve-syn-", write, read,
+                                    hint=" --add-reverse-edges", stream_reverse=True)
 
 def _run_dir(cfg: PartitionConfig, progress: bool, t0: float) -> dict | None:
     """--dataset-dir / --dataset ogbn-* streamed (or METIS checked against the budget);
