@@ -30,7 +30,7 @@ from common.errors import ConfigError
 from common.limits import MAX_FANOUT, MAX_LAYERS
 
 MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")  # trainer_client.models.build_model
-HETERO_MODEL_NAMES = ("rsage",)  # typed models (trainer_client.hetero_model)
+HETERO_MODEL_NAMES = ("rsage", "hetero-sage")  # typed models (trainer_client.hetero_model)
 # --model: "auto" is rsage on a typed partition set, sage on a homogeneous one
 TRAINER_MODELS = ("auto",) + MODEL_NAMES + HETERO_MODEL_NAMES
 LR_SCHEDULES = ("none", "step", "cosine")
@@ -191,10 +191,14 @@ class TrainerConfig:
         "newest run under ./runs that has a checkpoint")
     model: str = opt(
         "auto", "model: sage (GraphSAGE, mean aggregation), gcn, gat (plain torch), dgl-sage "
-        "(dgl.nn.SAGEConv through Block.to_dgl(); needs dgl), or rsage (relational GraphSAGE "
-        "over typed MFGs: one linear per relation, mean per relation, summed, self loop per "
-        "node type; any partition set); auto: rsage on a typed (heterogeneous) partition set, "
-        "sage otherwise", choices=TRAINER_MODELS)
+        "(dgl.nn.SAGEConv through Block.to_dgl(); needs dgl); typed models (over typed MFGs, "
+        "any partition set): rsage (relational GraphSAGE: one linear per relation, mean per "
+        "relation, summed, one self loop and bias per node type) or hetero-sage (exactly "
+        "dgl.nn.HeteroGraphConv({rel: SAGEConv((d_src, d_dst), out, 'mean')}, "
+        "aggregate='sum') in plain torch: a SAGEConv fc_self, bias and fc_neigh per relation "
+        "with DGL's init, the model a DGL user has; same function as rsage, other parameters "
+        "and training dynamics); auto: rsage on a typed (heterogeneous) partition set, sage "
+        "otherwise", choices=TRAINER_MODELS)
     rel_fanouts: str = opt(
         "", "typed partition sets: per-relation fanouts, one group per layer (input layer "
         "first) separated by '/', each 'REL=N' pairs separated by ':' (REL: a relation name "
@@ -303,9 +307,9 @@ class TrainerConfig:
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise ConfigError(f"--grad-clip must be a finite number >= 0 (0: off), got "
                               f"{self.grad_clip}")
-        if self.eval == "full" and self.model == "rsage":
-            raise ConfigError("--eval full (layer-wise inference) does not run typed models "
-                              "(--model rsage); use --eval sampled")
+        if self.eval == "full" and self.model in HETERO_MODEL_NAMES:
+            raise ConfigError(f"--eval full (layer-wise inference) does not run typed models "
+                              f"(--model {self.model}); use --eval sampled")
         if self.eval == "full" and self.node_emb_dim > 0:
             raise ConfigError("--eval full reads the served features only, not the learnable "
                               "node embedding of --node-emb-dim; use --eval sampled with it")

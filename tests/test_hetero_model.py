@@ -24,6 +24,7 @@ from common.errors import ConfigError
 from common.mfg import NID, HeteroMFG
 from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
 from trainer_client.hetero_model import (
+    HeteroSAGE,
     RelGraphSAGE,
     build_hetero_model,
     check_hetero_spec,
@@ -434,7 +435,7 @@ def test_spec_from_metadata_and_bad_specs():
     assert "layers.1.rel_fc.4.weight" in m1.state_dict()
     good = dict(spec)
     for bad, pattern in [
-        ({"name": "sage"}, "'name' must be 'rsage'"),
+        ({"name": "sage"}, r"'name' must be one of \['rsage', 'hetero-sage'\]"),
         ({"heads": 2}, "unknown key"),
         ({"ntypes": []}, "'ntypes' must be"),
         ({"etypes": [["paper", "cites", "venue"]]}, "not in 'ntypes'"),
@@ -448,3 +449,181 @@ def test_spec_from_metadata_and_bad_specs():
     ]:
         with pytest.raises(ConfigError, match=pattern):
             check_hetero_spec({**good, **bad})
+
+
+# --- hetero-sage: DGL's HeteroGraphConv({rel: SAGEConv((d_s, d_t), out, "mean")}, "sum")
+
+
+def dgl_hetero_sage(etypes, dims: list[dict[str, int]], out_ntype: str = "paper") -> nn.Module:
+    """DGL's model, layers built in ``etypes`` order (as HeteroSAGE builds its own)."""
+    from dgl.nn import HeteroGraphConv, SAGEConv
+
+    class Ref(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(
+                HeteroGraphConv({e: SAGEConv((i[s], i[d]), o[d], "mean") for s, e, d in etypes},
+                                aggregate="sum")
+                for i, o in zip(dims[:-1], dims[1:]))
+
+        def forward(self, blocks, x):
+            h = x
+            for i, (layer, blk) in enumerate(zip(self.layers, blocks)):
+                h = layer(blk, h)
+                if i < len(self.layers) - 1:
+                    h = {t: F.relu(v) for t, v in h.items()}
+            return h[out_ntype]
+
+    import_dgl()
+    return Ref()
+
+
+def from_dgl_state(ref: nn.Module, etypes) -> dict:
+    """DGL's state dict with ``mods.{etype}`` renamed to HeteroSAGE's ``mods.{position}``."""
+    pos = {e: str(r) for r, (_, e, _) in enumerate(etypes)}
+    out = {}
+    for k, v in ref.state_dict().items():
+        parts = k.split(".")
+        parts[3] = pos[parts[3]]  # layers.{i}.mods.{etype}.fc_*.{weight,bias}
+        out[".".join(parts)] = v
+    return out
+
+
+def sparse_batch(etypes, seed: int = 4):
+    """Blocks where one relation has no sampled edge in the input layer (fanout 0) and
+    some destinations have no in-edges of a relation (fanout 1 on a sparse random graph)."""
+    graph, feat, label = make_graph(seed=seed, etypes=etypes)
+    fanouts = [{e: (0 if e == "topic_of" else 1) for _, e, _ in etypes},
+               {e: 2 for _, e, _ in etypes}]
+    blocks = dgl_blocks(graph, torch.arange(0, NUM["paper"], 2), fanouts, seed=seed)
+    return blocks, HeteroMFG.of(to_sampled(blocks, feat, label))
+
+
+@pytest.mark.parametrize("drop", [None, "written_by"])  # written_by: nothing leads into author
+@pytest.mark.parametrize("hidden", [3, 16])  # 3: project before aggregating (in > out)
+def test_hetero_sage_is_dgl_heterographconv_init_forward_and_gradients(hidden, drop):
+    etypes = [e for e in ETYPES if e[1] != drop]
+    blocks, mfg = sparse_batch(etypes)
+    # the batch has the cases DGL treats specially
+    assert mfg[0].num_edges(("field", "topic_of", "paper")) == 0
+    assert any(bool((b.in_degrees() == 0).any()) for hb in mfg for b in hb.rels.values()
+               if b.num_edges())
+    dims = [WIDTHS, {t: hidden for t in NTYPES}, {t: CLASSES for t in NTYPES}]
+    torch.manual_seed(11)
+    ref = dgl_hetero_sage(etypes, dims)
+    torch.manual_seed(11)
+    spec = hetero_spec(SimpleNamespace(ntypes=NTYPES, etypes=etypes, predict_ntype="paper"),
+                       WIDTHS, hidden, CLASSES, 2, name="hetero-sage")
+    model = build_hetero_model(spec)
+    assert isinstance(model, HeteroSAGE) and model.name == "hetero-sage"
+    # the same parameters, drawn in the same order: DGL's init exactly (bias included)
+    want_sd = from_dgl_state(ref, etypes)
+    assert sorted(model.state_dict()) == sorted(want_sd)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want_sd[k]), k
+    for check in ("init", "random"):
+        if check == "random":  # any weights, copied over by the renamed state dict
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            model.load_state_dict(from_dgl_state(ref, etypes))
+        model.zero_grad()
+        ref.zero_grad()
+        x_ours = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
+        x_ref = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
+        out, want = model(mfg, x_ours), ref(blocks, x_ref)
+        assert out.shape == (mfg.output_nodes.numel(), CLASSES)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ref(mfg.to_dgl(), mfg.feat), want, atol=1e-5, rtol=1e-5)
+        gr = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        (out * gr).sum().backward()
+        (want * gr).sum().backward()
+        for t in NTYPES:
+            torch.testing.assert_close(x_ours[t].grad, x_ref[t].grad, atol=1e-5, rtol=1e-5)
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        ref_grads = dict(zip(from_dgl_state(ref, etypes),
+                             (p.grad for p in ref.state_dict(keep_vars=True).values())))
+        params = dict(model.named_parameters())
+        for k, gv in ref_grads.items():  # None: unused (e.g. fc_neigh of a relation DGL
+            # skipped; DGL's zero-edge relation multiplies zeros: a zero gradient)
+            zero = torch.zeros_like(params[k])
+            torch.testing.assert_close(zero if grads[k] is None else grads[k],
+                                       zero if gv is None else gv, atol=1e-5, rtol=1e-5)
+    if drop:  # HeteroGraphConv gives author no output: writes is skipped in layer 1
+        h = model.layers[0](mfg[0], mfg.feat)
+        assert "author" not in h and set(h) == {"paper", "field"}
+        assert model.layers[1].mods[etypes.index(("author", "writes", "paper"))] \
+            .fc_neigh.weight.grad is None
+
+
+def test_hetero_sage_zero_edge_relation_adds_its_self_term():
+    """DGL 2.1's HeteroGraphConv runs a relation with no sampled edges: its SAGEConv's mean
+    is 0, fc_self(h_dst) + bias still counts. Ours: the same (the output changes with that
+    relation's fc_self)."""
+    blocks, mfg = sparse_batch(ETYPES)
+    model = HeteroSAGE(NTYPES, ETYPES, WIDTHS, 8, CLASSES, 2, "paper").eval()
+    rel = ETYPES.index(("field", "topic_of", "paper"))
+    h = model.layers[0](mfg[0], mfg.feat)
+    with torch.no_grad():
+        model.layers[0].mods[rel].fc_self.bias.add_(1.0)
+    h2 = model.layers[0](mfg[0], mfg.feat)
+    torch.testing.assert_close(h2["paper"] - h["paper"], torch.ones_like(h["paper"]))
+    torch.testing.assert_close(h2["author"], h["author"])
+
+
+def test_hetero_sage_spec_state_dict_and_homogeneous_case(tmp_path):
+    from common.config import HETERO_MODEL_NAMES, TRAINER_MODELS
+    from trainer_client.hetero_model import HETERO_MODELS
+    from trainer_client.models import build_model, check_spec
+
+    assert tuple(HETERO_MODELS) == HETERO_MODEL_NAMES and "hetero-sage" in TRAINER_MODELS
+    meta = SimpleNamespace(ntypes=NTYPES, etypes=[list(e) for e in ETYPES],
+                           predict_ntype="paper")
+    spec = hetero_spec(meta, in_feats=WIDTHS, hidden=16, num_classes=CLASSES, num_layers=2,
+                       dropout=0.2, name="hetero-sage")
+    assert spec["name"] == "hetero-sage" and check_spec(spec) == spec
+    m1 = build_model(spec)
+    assert isinstance(m1, HeteroSAGE) and m1.num_layers == 2
+    sd = m1.state_dict()
+    assert "layers.1.mods.4.fc_neigh.weight" in sd and "layers.0.mods.0.fc_self.bias" in sd
+    assert not any(".fc_neigh.bias" in k for k in sd)  # SAGEConv's fc_neigh has no bias
+    assert sd["layers.0.mods.1.fc_self.weight"].shape == (16, WIDTHS["paper"])  # d_dst
+    assert sd["layers.0.mods.1.fc_neigh.weight"].shape == (16, WIDTHS["author"])  # d_src
+    # the round trip a checkpoint makes: spec + state dict -> the same outputs
+    torch.save({"spec": spec, "model": sd}, tmp_path / "m.pt")
+    saved = torch.load(tmp_path / "m.pt")
+    m2 = build_model(saved["spec"])
+    m2.load_state_dict(saved["model"])
+    graph, feat, label = make_graph()
+    mfg = HeteroMFG.of(to_sampled(dgl_blocks(graph, torch.arange(0, 60, 3), FANOUTS),
+                                  feat, label))
+    torch.testing.assert_close(m2.eval()(mfg, mfg.feat), m1.eval()(mfg, mfg.feat))
+    # rsage's parameters are other ones: a checkpoint of one does not load into the other
+    with pytest.raises(RuntimeError, match="Missing key"):
+        build_model({**spec, "name": "rsage"}).load_state_dict(sd)
+    # one node type, one relation: SAGEConv, i.e. GraphSAGE
+    sampled, _ = homogeneous_batch()
+    hmfg = HeteroMFG.of(sampled)
+    model = build_hetero_model(hetero_spec(SimpleNamespace(ntypes=[], etypes=[],
+                                                           predict_ntype=""), 7, 16, CLASSES,
+                                           2, name="hetero-sage"))
+    sage = GraphSAGE(7, 16, CLASSES, 2, dropout=0.0)
+    with torch.no_grad():
+        for ours, theirs in zip(model.layers, sage.layers):
+            ours.mods[0].fc_self.load_state_dict(theirs.fc_self.state_dict())
+            ours.mods[0].fc_neigh.load_state_dict(theirs.fc_neigh.state_dict())
+    torch.testing.assert_close(model(hmfg, hmfg.feat), sage(_homogeneous_view(sampled),
+                                                             hmfg.feat[""]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_hetero_sage_refused_where_typed_models_are():
+    from common.config import TrainerConfig
+    from trainer_client.inference import refuse_typed
+
+    info = SimpleNamespace(dataset="d", ntypes=[])
+    with pytest.raises(ConfigError, match=r"typed model \(hetero-sage\)"):
+        refuse_typed("hetero-sage", info)
+    with pytest.raises(ConfigError, match="--eval sampled"):
+        TrainerConfig(cluster="/c", model="hetero-sage", eval="full").validate()

@@ -1,7 +1,8 @@
-"""Relational GraphSAGE (R-GCN with mean or sum) in plain torch over typed MFGs, any device.
+"""Typed GNNs in plain torch over typed MFGs, any device: the relational GraphSAGE (``rsage``)
+and DGL's ``HeteroGraphConv`` of ``SAGEConv`` (``hetero-sage``).
 
-One layer maps the hidden states of every node type to new ones for the destination node
-types (:class:`RelGraphConv`)::
+``rsage`` (:class:`RelGraphSAGE`, layers of :class:`RelGraphConv`) maps the hidden states of
+every node type to new ones for the destination node types::
 
     h_v' = W_self[t] h_v + b[t] + sum_{r = (s, e, t)} W_r agg_{u in N_r(v)} h_u
 
@@ -10,37 +11,50 @@ for a destination v of type t: a self-loop linear (with bias) per node type, one
 in-edges of relation r, and the relations into t summed. The per-relation mean is the
 homogeneous model's kernel (:func:`trainer_client.model.mean_aggregate`: one weighted
 ``embedding_bag`` over the relation's CSC); the sum is that mean times the in-degree.
-
-This is what ``dgl.nn.HeteroGraphConv({r: dgl.nn.SAGEConv((d_s, d_t), out, "mean")},
-aggregate="sum")`` computes when, per destination type, the relations' ``fc_self`` weights
-and biases sum to ``W_self[t]`` / ``b[t]`` (tested against DGL); on a homogeneous MFG (one
-node type, one relation) it is :class:`trainer_client.model.GraphSAGE`.
-
 Unlike HeteroGraphConv, a node type into which no relation leads keeps a state (its self
-loop) from layer to layer, so its relations out of it still count in the next layer (DGL's
-HeteroGraphConv gives such a type no output, and its relations are skipped from then on);
-with reverse relations every type has one leading into it and the two agree.
+loop) from layer to layer, so its relations out of it still count in the next layer.
+
+``hetero-sage`` (:class:`HeteroSAGE`, layers of :class:`HeteroSAGEConv`) is exactly
+``dgl.nn.HeteroGraphConv({r: dgl.nn.SAGEConv((d_s, d_t), out, "mean") for r in etypes},
+aggregate="sum")`` (DGL 2.1; tested against DGL): per relation r = (s, e, t) its own
+``fc_self`` (d_t -> out, with the bias), ``fc_neigh`` (d_s -> out, no bias), created and
+initialised in SAGEConv's order (``fc_neigh`` then ``fc_self``; both weights Xavier-uniform
+with ReLU gain, the bias nn.Linear's default U(+-1/sqrt(d_t)), which SAGEConv leaves), and::
+
+    h_v' = sum_{r = (s, e, t) run} ( fc_self_r(h_v) + fc_neigh_r(mean_{u in N_r(v)} h_u) )
+
+A relation runs when both its source and destination types have states from the layer
+before (HeteroGraphConv's ``stype in inputs and dtype in inputs``), also with no sampled
+edges (its mean is 0: it adds ``fc_self_r(h_v)``, as DGL 2.1 does); a node type into which
+no relation runs gets no output, so relations out of it are skipped from then on. The
+function is rsage's with ``W_self[t]`` / ``b[t]`` the sums over the relations into t; the
+parameters (one self loop and bias per relation), their initialisation and so the training
+dynamics (Adam, weight decay) are DGL's. The self terms of the relations into a type are one
+matmul with the summed weights (the same function and gradients).
 
 Node types may have different input widths: the first layer's linears take each type's own
-width (``W_r`` its source type's, ``W_self[t]`` type t's), as DGL's bipartite SAGEConv does,
-so no input projection is needed. Between layers: ReLU and dropout; the output is the logits
-of the ``predict_ntype`` nodes (the MFG's seeds).
+width, as DGL's bipartite SAGEConv does, so no input projection is needed. Between layers:
+ReLU and dropout; the output is the logits of the ``predict_ntype`` nodes (the MFG's seeds).
 
 The model spec (JSON-able; saved with checkpoints, rebuilt by :func:`build_hetero_model`)::
 
-    {"name": "rsage", "ntypes": [str, ...], "etypes": [[src, rel, dst], ...],
+    {"name": "rsage" | "hetero-sage", "ntypes": [str, ...], "etypes": [[src, rel, dst], ...],
      "predict_ntype": str, "in_feats": int | {ntype: int}, "hidden": int,
      "num_classes": int, "num_layers": int, "aggregator": "mean" | "sum", "dropout": float}
 
-:func:`hetero_spec` builds one from partition metadata (``PartitionSetMeta.ntypes``,
-``.etypes``, ``.predict_ntype``; an empty ``ntypes`` is the homogeneous one-type case).
-Parameters are indexed by the positions of ``ntypes`` / ``etypes`` in the spec
-(``layers.{i}.rel_fc.{r}``, ``layers.{i}.self_fc.{t}``), so the same spec gives the same
-state-dict keys whatever the names.
+(``hetero-sage`` with ``"sum"``: SAGEConv's form with the sum over in-edges, not a DGL
+aggregator.) :func:`hetero_spec` builds one from partition metadata
+(``PartitionSetMeta.ntypes``, ``.etypes``, ``.predict_ntype``; an empty ``ntypes`` is the
+homogeneous one-type case, where both models are :class:`trainer_client.model.GraphSAGE`).
+Parameters are indexed by the positions of ``ntypes`` / ``etypes`` in the spec (rsage:
+``layers.{i}.rel_fc.{r}``, ``layers.{i}.self_fc.{t}``; hetero-sage:
+``layers.{i}.mods.{r}.fc_self`` / ``.fc_neigh``, DGL's ``mods.{etype}`` by position), so the
+same spec gives the same state-dict keys whatever the names.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -48,11 +62,11 @@ from common.errors import ConfigError
 from common.mfg import CanonicalEtype, HeteroBlock, HeteroMFG
 from trainer_client.model import LayerwiseGNN, mean_aggregate
 
-__all__ = ["AGGREGATORS", "HETERO_SPEC_KEYS", "RelGraphConv", "RelGraphSAGE",
-           "check_hetero_spec", "build_hetero_model", "hetero_spec"]
+__all__ = ["AGGREGATORS", "HETERO_SPEC_KEYS", "HETERO_MODELS", "RelGraphConv", "RelGraphSAGE",
+           "HeteroSAGEConv", "HeteroSAGE", "TypedGNN", "check_hetero_spec",
+           "build_hetero_model", "hetero_spec"]
 
 AGGREGATORS = ("mean", "sum")
-HETERO_MODEL_NAME = "rsage"
 _INT_KEYS = ("hidden", "num_classes", "num_layers")
 HETERO_SPEC_KEYS = ("name", "ntypes", "etypes", "predict_ntype", "in_feats") + _INT_KEYS + (
     "aggregator", "dropout")
@@ -66,14 +80,13 @@ def aggregate(block, h_src: Tensor, aggregator: str) -> Tensor:
     return agg
 
 
-class RelGraphConv(nn.Module):
-    """One relational layer (see the module docstring): ``forward(block, h)`` takes a
-    :class:`~common.mfg.HeteroBlock` and a dict node type -> source states (rows = that
-    type's sources) and returns a dict node type -> destination states, for every node type
-    with destinations in the block."""
+class _TypedConv(nn.Module):
+    """What both typed layers share: the model's node types / relations (positions index the
+    parameters), the lookups of a block's names in them, the source-state check and the
+    neighbour term ``W agg(h_src)`` added to a destination type's state."""
 
     def __init__(self, ntypes: list[str], etypes: list[CanonicalEtype], in_dims: dict[str, int],
-                 out_feats: int, aggregator: str = "mean"):
+                 out_feats: int, aggregator: str):
         super().__init__()
         if aggregator not in AGGREGATORS:
             raise ConfigError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
@@ -81,6 +94,55 @@ class RelGraphConv(nn.Module):
         self.in_dims, self.out_feats, self.aggregator = dict(in_dims), out_feats, aggregator
         self._type_index = {t: i for i, t in enumerate(self.ntypes)}
         self._rel_index = {e: i for i, e in enumerate(self.etypes)}
+
+    def _type(self, t: str) -> int:
+        i = self._type_index.get(t)
+        if i is None:
+            raise ValueError(f"the MFG has node type {t!r}, which the model does not know "
+                             f"(model node types {self.ntypes}): build the model from this "
+                             "graph's partition metadata")
+        return i
+
+    def _rel(self, rel: CanonicalEtype) -> int:
+        i = self._rel_index.get(rel)
+        if i is None:
+            raise ValueError(f"the MFG has relation {rel}, which the model does not know "
+                             f"(model relations {self.etypes}): build the model from "
+                             "this graph's partition metadata")
+        return i
+
+    @staticmethod
+    def _src(rel: CanonicalEtype, b, h: dict[str, Tensor]) -> Tensor:
+        hs = h.get(rel[0])
+        if hs is None or hs.shape[0] != b.num_src_nodes():
+            raise ValueError(f"relation {rel} needs {b.num_src_nodes()} source states of "
+                             f"node type {rel[0]!r}, got "
+                             f"{'none' if hs is None else hs.shape[0]}")
+        return hs
+
+    def _add_neigh(self, out: Tensor, rel: CanonicalEtype, b, h: dict[str, Tensor],
+                   w: Tensor) -> Tensor:
+        """``out + w agg(h[src type])`` over relation ``rel``'s block ``b`` (``out`` itself
+        for no edges: the mean and sum over none are 0)."""
+        if b.num_edges() == 0:
+            return out
+        hs = self._src(rel, b, h)
+        # project first when that shrinks the rows moved along edges (same function)
+        if self.in_dims[rel[0]] > self.out_feats:
+            return out + aggregate(b, F.linear(hs, w), self.aggregator)
+        # accumulate in place: addmm_'s backward does not need its output
+        return out.addmm_(aggregate(b, hs, self.aggregator), w.t())
+
+
+class RelGraphConv(_TypedConv):
+    """One rsage layer (see the module docstring): ``forward(block, h)`` takes a
+    :class:`~common.mfg.HeteroBlock` and a dict node type -> source states (rows = that
+    type's sources) and returns a dict node type -> destination states, for every node type
+    with destinations in the block."""
+
+    def __init__(self, ntypes: list[str], etypes: list[CanonicalEtype], in_dims: dict[str, int],
+                 out_feats: int, aggregator: str = "mean"):
+        super().__init__(ntypes, etypes, in_dims, out_feats, aggregator)
         self.rel_fc = nn.ModuleList(nn.Linear(in_dims[s], out_feats, bias=False)
                                     for s, _, _ in self.etypes)
         self.self_fc = nn.ModuleList(nn.Linear(in_dims[t], out_feats) for t in self.ntypes)
@@ -93,14 +155,6 @@ class RelGraphConv(nn.Module):
             if fc.bias is not None:
                 nn.init.zeros_(fc.bias)
 
-    def _type(self, t: str) -> int:
-        i = self._type_index.get(t)
-        if i is None:
-            raise ValueError(f"the MFG has node type {t!r}, which the model does not know "
-                             f"(model node types {self.ntypes}): build the model from this "
-                             "graph's partition metadata")
-        return i
-
     def forward(self, block: HeteroBlock, h: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for t in block.ntypes:
@@ -112,35 +166,80 @@ class RelGraphConv(nn.Module):
                                  f"{nd} destination nodes in this layer")
             out[t] = self.self_fc[self._type(t)](h[t][:nd])
         for rel, b in block.rels.items():
-            s, _, d = rel
             if b.num_dst_nodes() == 0:
                 continue
-            i = self._rel_index.get(rel)
-            if i is None:
-                raise ValueError(f"the MFG has relation {rel}, which the model does not know "
-                                 f"(model relations {self.etypes}): build the model from "
-                                 "this graph's partition metadata")
-            if b.num_edges() == 0:
-                continue  # mean and sum over no edges: 0
-            hs = h.get(s)
-            if hs is None or hs.shape[0] != b.num_src_nodes():
-                raise ValueError(f"relation {rel} needs {b.num_src_nodes()} source states of "
-                                 f"node type {s!r}, got "
-                                 f"{'none' if hs is None else hs.shape[0]}")
-            w = self.rel_fc[i].weight
-            # project first when that shrinks the rows moved along edges (same function)
-            if self.in_dims[s] > self.out_feats:
-                out[d] = out[d] + aggregate(b, F.linear(hs, w), self.aggregator)
-            else:  # accumulate in place: addmm_'s backward does not need its output
-                out[d] = out[d].addmm_(aggregate(b, hs, self.aggregator), w.t())
+            i = self._rel(rel)
+            out[rel[2]] = self._add_neigh(out[rel[2]], rel, b, h, self.rel_fc[i].weight)
         return out
 
 
-class RelGraphSAGE(LayerwiseGNN):
-    """Layers of :class:`RelGraphConv` with ReLU and dropout between them (the layer loop and
-    its layer-count check are :class:`~trainer_client.model.LayerwiseGNN`'s); ``forward(mfg,
-    x)`` takes a :class:`~common.mfg.HeteroMFG` (or a list of HeteroBlocks) and a dict node
-    type -> input features, and returns the logits of the ``predict_ntype`` output nodes."""
+class _SAGEConvParams(nn.Module):
+    """One relation's ``dgl.nn.SAGEConv((in_src, in_dst), out, "mean")`` parameters, created
+    and initialised as SAGEConv does (the same random draws in the same order): ``fc_neigh``
+    (no bias), ``fc_self`` (with the bias, nn.Linear's default init), then Xavier-uniform with
+    ReLU gain on ``fc_self.weight`` and ``fc_neigh.weight``."""
+
+    def __init__(self, in_src: int, in_dst: int, out_feats: int):
+        super().__init__()
+        self.fc_neigh = nn.Linear(in_src, out_feats, bias=False)
+        self.fc_self = nn.Linear(in_dst, out_feats)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        gain = nn.init.calculate_gain("relu")
+        nn.init.xavier_uniform_(self.fc_self.weight, gain=gain)
+        nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
+
+
+class HeteroSAGEConv(_TypedConv):
+    """One hetero-sage layer: ``dgl.nn.HeteroGraphConv`` of one ``SAGEConv`` per relation
+    (``mods[r]``, r the relation's position), summed per destination type (see the module
+    docstring). ``forward(block, h)`` as :class:`RelGraphConv`'s; the output has the node types
+    into which a relation runs (those with no destinations too, as 0-row states)."""
+
+    def __init__(self, ntypes: list[str], etypes: list[CanonicalEtype], in_dims: dict[str, int],
+                 out_feats: int, aggregator: str = "mean"):
+        super().__init__(ntypes, etypes, in_dims, out_feats, aggregator)
+        self.mods = nn.ModuleList(_SAGEConvParams(in_dims[s], in_dims[d], out_feats)
+                                  for s, _, d in self.etypes)
+
+    def reset_parameters(self) -> None:
+        for m in self.mods:
+            m.reset_parameters()
+
+    def forward(self, block: HeteroBlock, h: dict[str, Tensor]) -> dict[str, Tensor]:
+        into: dict[str, list[tuple[CanonicalEtype, int]]] = {}
+        for rel in block.rels:
+            i = self._rel(rel)
+            if rel[0] in h and rel[2] in h:  # HeteroGraphConv's rule, edges or not
+                into.setdefault(rel[2], []).append((rel, i))
+        out: dict[str, Tensor] = {}
+        for d, rels in into.items():
+            nd, hd = block.num_dst[d], h[d]
+            if hd.shape[0] < nd:
+                raise ValueError(f"node type {d!r} has {nd} destination nodes in this layer "
+                                 f"but {hd.shape[0]} input states")
+            fcs = [self.mods[i].fc_self for _, i in rels]
+            if len(fcs) == 1:
+                out[d] = fcs[0](hd[:nd])
+            else:  # sum_r fc_self_r(h) as one matmul with the summed weights and biases
+                out[d] = F.linear(hd[:nd], torch.stack([fc.weight for fc in fcs]).sum(0),
+                                  torch.stack([fc.bias for fc in fcs]).sum(0))
+            for rel, i in rels:
+                out[d] = self._add_neigh(out[d], rel, block.rels[rel], h,
+                                         self.mods[i].fc_neigh.weight)
+        return out
+
+
+class TypedGNN(LayerwiseGNN):
+    """Layers of ``conv_cls`` (a typed layer) with ReLU and dropout between them (the layer
+    loop and its layer-count check are :class:`~trainer_client.model.LayerwiseGNN`'s);
+    ``forward(mfg, x)`` takes a :class:`~common.mfg.HeteroMFG` (or a list of HeteroBlocks)
+    and a dict node type -> input features, and returns the logits of the ``predict_ntype``
+    output nodes. ``name`` is the model's spec name."""
+
+    name = ""
+    conv_cls: type[_TypedConv]
 
     def __init__(self, ntypes: list[str], etypes: list[CanonicalEtype],
                  in_feats: dict[str, int], hidden: int, num_classes: int, num_layers: int,
@@ -153,7 +252,7 @@ class RelGraphSAGE(LayerwiseGNN):
         layers = []
         dims = dict(in_feats)
         for o in outs:
-            layers.append(RelGraphConv(ntypes, etypes, dims, o, aggregator))
+            layers.append(self.conv_cls(ntypes, etypes, dims, o, aggregator))
             dims = {t: o for t in ntypes}
         super().__init__(layers, dropout)
         self.ntypes, self.etypes = ntypes, etypes
@@ -179,6 +278,25 @@ class RelGraphSAGE(LayerwiseGNN):
         return h[self.predict_ntype]
 
 
+class RelGraphSAGE(TypedGNN):
+    """``rsage``: layers of :class:`RelGraphConv` (see :class:`TypedGNN`)."""
+
+    name = "rsage"
+    conv_cls = RelGraphConv
+
+
+class HeteroSAGE(TypedGNN):
+    """``hetero-sage``: layers of :class:`HeteroSAGEConv`, i.e. DGL's ``HeteroGraphConv`` of
+    ``SAGEConv`` mean per relation, summed (see :class:`TypedGNN`)."""
+
+    name = "hetero-sage"
+    conv_cls = HeteroSAGEConv
+
+
+#: spec name -> model class (common.config.HETERO_MODEL_NAMES lists the same names)
+HETERO_MODELS: dict[str, type[TypedGNN]] = {c.name: c for c in (RelGraphSAGE, HeteroSAGE)}
+
+
 def _check_int(spec: dict, key: str) -> int:
     v = spec.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -196,9 +314,10 @@ def check_hetero_spec(spec: dict) -> dict:
     if unknown:
         raise ConfigError(f"model spec: unknown key(s) {unknown}; accepted: "
                           f"{list(HETERO_SPEC_KEYS)}")
-    if spec.get("name") != HETERO_MODEL_NAME:
-        raise ConfigError(f"model spec: 'name' must be {HETERO_MODEL_NAME!r}, "
-                          f"got {spec.get('name')!r}")
+    name = spec.get("name")
+    if name not in HETERO_MODELS:
+        raise ConfigError(f"model spec: 'name' must be one of {list(HETERO_MODELS)}, "
+                          f"got {name!r}")
     ntypes = spec.get("ntypes")
     if (not isinstance(ntypes, list) or not ntypes
             or not all(isinstance(t, str) for t in ntypes) or len(set(ntypes)) != len(ntypes)):
@@ -230,7 +349,7 @@ def check_hetero_spec(spec: dict) -> dict:
         raise ConfigError(f"model spec: 'in_feats' must be an integer or a dict with a width "
                           f"for each node type {ntypes}, got {f!r}")
     in_feats = {t: _check_int(f, t) for t in ntypes}
-    out: dict = {"name": HETERO_MODEL_NAME, "ntypes": list(ntypes), "etypes": rels,
+    out: dict = {"name": name, "ntypes": list(ntypes), "etypes": rels,
                  "predict_ntype": p, "in_feats": in_feats}
     for key in _INT_KEYS:
         out[key] = _check_int(spec, key)
@@ -246,23 +365,26 @@ def check_hetero_spec(spec: dict) -> dict:
     return out
 
 
-def build_hetero_model(spec: dict) -> RelGraphSAGE:
-    """The model ``spec`` describes (see the module docstring), freshly initialised."""
+def build_hetero_model(spec: dict) -> TypedGNN:
+    """The model ``spec`` describes (see the module docstring), freshly initialised: a
+    :class:`RelGraphSAGE` (``rsage``) or a :class:`HeteroSAGE` (``hetero-sage``)."""
     s = check_hetero_spec(spec)
-    return RelGraphSAGE(s["ntypes"], [tuple(e) for e in s["etypes"]], s["in_feats"],
-                        s["hidden"], s["num_classes"], s["num_layers"], s["predict_ntype"],
-                        s["aggregator"], s["dropout"])
+    return HETERO_MODELS[s["name"]](
+        s["ntypes"], [tuple(e) for e in s["etypes"]], s["in_feats"], s["hidden"],
+        s["num_classes"], s["num_layers"], s["predict_ntype"], s["aggregator"], s["dropout"])
 
 
 def hetero_spec(meta, in_feats: int | dict[str, int], hidden: int, num_classes: int,
-                num_layers: int, aggregator: str = "mean", dropout: float = 0.0) -> dict:
-    """A checked spec from partition metadata (anything with ``ntypes``, ``etypes`` and
-    ``predict_ntype``, e.g. ``PartitionSetMeta``); empty ``ntypes``: the homogeneous graph,
-    one node type ``""`` and one relation ``("", "", "")`` (what its MFGs carry)."""
+                num_layers: int, aggregator: str = "mean", dropout: float = 0.0,
+                name: str = "rsage") -> dict:
+    """A checked spec of model ``name`` (``rsage`` or ``hetero-sage``) from partition
+    metadata (anything with ``ntypes``, ``etypes`` and ``predict_ntype``, e.g.
+    ``PartitionSetMeta``); empty ``ntypes``: the homogeneous graph, one node type ``""`` and
+    one relation ``("", "", "")`` (what its MFGs carry)."""
     ntypes = list(meta.ntypes) or [""]
     etypes = [list(e) for e in meta.etypes] if meta.ntypes else [["", "", ""]]
     return check_hetero_spec({
-        "name": HETERO_MODEL_NAME, "ntypes": ntypes, "etypes": etypes,
+        "name": name, "ntypes": ntypes, "etypes": etypes,
         "predict_ntype": meta.predict_ntype if meta.ntypes else "", "in_feats": in_feats,
         "hidden": hidden, "num_classes": num_classes, "num_layers": num_layers,
         "aggregator": aggregator, "dropout": dropout})

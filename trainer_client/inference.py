@@ -120,11 +120,14 @@ def refuse_multilabel(pool, info) -> None:
 
 def refuse_typed(model_name: str, info, what: str = "the model") -> None:
     """Layer-wise inference runs homogeneous models over homogeneous sets only: a typed model
-    (rsage) or a typed partition set is refused, naming what to use instead."""
+    (common.config.HETERO_MODEL_NAMES: rsage, hetero-sage) or a typed partition set is
+    refused, naming what to use instead."""
+    from common.config import HETERO_MODEL_NAMES
+
     ntypes = [t.name for t in getattr(info, "ntypes", [])]
-    if model_name == "rsage" or ntypes:
+    if model_name in HETERO_MODEL_NAMES or ntypes:
         where = (f"partition set {info.dataset} is typed (node types {ntypes})" if ntypes
-                 else f"{what} is a typed model (rsage)")
+                 else f"{what} is a typed model ({model_name})")
         raise ConfigError(f"layer-wise inference (--eval full, mfgserve-infer) does not run "
                           f"typed graphs or models yet: {where}; evaluate with --eval sampled "
                           "(sampled mini-batches of the valid/test seeds)")
@@ -428,9 +431,9 @@ def full_graph_eval(model: nn.Module, pool, info, splits: dict[str, Tensor], *,
     (layer-wise inference, the last layer over the valid and test nodes only). Every rank
     calls it; the result is the same on all. The model's train/eval mode is kept. Typed
     sets and models are refused (:func:`refuse_typed`)."""
-    from trainer_client.hetero_model import RelGraphSAGE
+    from trainer_client.hetero_model import TypedGNN
 
-    refuse_typed("rsage" if isinstance(model, RelGraphSAGE) else "", info)
+    refuse_typed(model.name if isinstance(model, TypedGNN) else "", info)
     job = LayerwiseInference(model, pool, info, batch_size=batch_size, device=device,
                              rank=rank, world_size=world_size, progress=progress,
                              max_message_bytes=max_message_bytes)

@@ -11,9 +11,12 @@ rebuilds the same module for inference)::
 * ``gat``: :class:`GATConv` layers, what ``dgl.nn.GATConv`` computes (no feature/attention
   dropout, no residual); ``hidden`` is the width per head, hidden layers concatenate their
   ``heads`` heads (``hidden * heads`` wide) and the last layer averages them.
-* ``rsage``: relational GraphSAGE over typed MFGs (:class:`trainer_client.hetero_model.
-  RelGraphSAGE`; its spec is that module's, see :func:`~trainer_client.hetero_model.
-  check_hetero_spec`): ``forward(mfg, x)`` with a HeteroMFG and a dict of inputs per type.
+* ``rsage``, ``hetero-sage`` (common.config.HETERO_MODEL_NAMES): the typed models over typed
+  MFGs, relational GraphSAGE (:class:`trainer_client.hetero_model.RelGraphSAGE`) and DGL's
+  ``HeteroGraphConv`` of ``SAGEConv`` (:class:`~trainer_client.hetero_model.HeteroSAGE`);
+  their spec is that module's (see :func:`~trainer_client.hetero_model.check_hetero_spec`),
+  built by :func:`~trainer_client.hetero_model.build_hetero_model`: ``forward(mfg, x)`` with
+  a HeteroMFG and a dict of inputs per type.
 * ``dgl-sage``: ``dgl.nn.SAGEConv("mean")`` layers applied to ``block.to_dgl()``: the path for
   models written against DGL (CPU, needs DGL); the same state-dict keys as ``sage``.
 
@@ -194,8 +197,8 @@ def check_spec(spec: dict) -> dict:
 
 
 def build_model(spec: dict) -> nn.Module:
-    """The model ``spec`` describes (see the module docstring; ``rsage``: a typed model,
-    trainer_client.hetero_model's spec), freshly initialised."""
+    """The model ``spec`` describes (see the module docstring; ``rsage`` / ``hetero-sage``:
+    a typed model, trainer_client.hetero_model's spec), freshly initialised."""
     s = check_spec(spec)
     if s["name"] in HETERO_MODEL_NAMES:
         from trainer_client.hetero_model import build_hetero_model

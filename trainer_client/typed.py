@@ -5,10 +5,11 @@ order, each with whether its feature rows are real: ``featured``), its relations
 id order) and ``predict_ntype`` (labels and splits are of that type only); a homogeneous set
 names none. From that:
 
-* :func:`model_name`: ``--model auto`` is ``rsage`` on a typed set and ``sage`` otherwise; a
-  homogeneous model (sage, gcn, gat, dgl-sage) on a typed set is refused (ConfigError);
-  ``rsage`` on a homogeneous set is its one-type case (node type ``""``, relation
-  ``("", "", "")``).
+* :func:`model_name`: ``--model auto`` is ``rsage`` on a typed set and ``sage`` otherwise;
+  ``--model rsage`` or ``hetero-sage`` (DGL's HeteroGraphConv of SAGEConv) pick the typed
+  model (trainer_client.hetero_model; :func:`typed_spec` builds its spec); a homogeneous
+  model (sage, gcn, gat, dgl-sage) on a typed set is refused (ConfigError); a typed model on
+  a homogeneous set is its one-type case (node type ``""``, relation ``("", "", "")``).
 * :func:`rel_fanout_table`: per layer one fanout per relation id, from ``--fanouts`` (every
   relation) and ``--rel-fanouts`` (named relations), sent as ``SampleRequest.rel_fanouts``.
 * :func:`typed_inputs`: the first layer's input per node type. A featured type's input is its
@@ -65,7 +66,8 @@ def model_name(cfg: TrainerConfig, info) -> str:
         raise ConfigError(
             f"--model {cfg.model} trains homogeneous graphs, but partition set "
             f"{info.dataset} is typed (node types {ntype_names(info)}, "
-            f"{len(info.etypes)} relations): use --model rsage (or leave --model at auto)")
+            f"{len(info.etypes)} relations): use --model rsage (or leave --model at auto) or "
+            "--model hetero-sage (DGL's HeteroGraphConv of SAGEConv)")
     return cfg.model
 
 
@@ -78,8 +80,8 @@ def check_typed_run(cfg: TrainerConfig, info) -> None:
                               f"sets; {info.dataset} is homogeneous: use --fanouts")
         return
     if cfg.eval == "full":
-        raise ConfigError("--eval full (layer-wise inference) does not run typed graphs or "
-                          "models (--model rsage) yet; use --eval sampled")
+        raise ConfigError(f"--eval full (layer-wise inference) does not run typed graphs or "
+                          f"models (--model {name}) yet; use --eval sampled")
     if is_typed(info) and cfg.node_emb_dim > 0 and not featureless(info):
         raise ConfigError(
             f"--node-emb-dim {cfg.node_emb_dim}: every node type of {info.dataset} has "
@@ -138,9 +140,10 @@ def in_feats(cfg: TrainerConfig, info) -> dict[str, int]:
 
 
 def typed_spec(cfg: TrainerConfig, info, num_classes: int) -> dict:
-    """The rsage model spec for the served set (trainer_client.hetero_model)."""
+    """The spec of the typed model :func:`model_name` picks (``rsage``, the default, or
+    ``hetero-sage``) for the served set (trainer_client.hetero_model)."""
     return hetero_spec(_Meta(info), in_feats(cfg, info), cfg.hidden, num_classes,
-                       len(cfg.fanouts), dropout=cfg.dropout)
+                       len(cfg.fanouts), dropout=cfg.dropout, name=model_name(cfg, info))
 
 
 class _Meta:
