@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ from torch import Tensor, nn
 
 from common.dgl_compat import import_dgl
 from partition.layout import PartitionSetMeta, load_partition
+
+_REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -312,6 +315,50 @@ def train_dgl_hetero(graph: str | Path | HeteroGraph, fanouts: list, batch_size:
             "load_s": round(hg.load_s, 3), "threads": torch.get_num_threads()}
 
 
+def worker_mode_argv(parts: str | Path, args: argparse.Namespace, run_dir: str | Path) -> list:
+    """``deploy.worker_mode`` on ``parts`` with the DGL run's settings (epochs, fanouts,
+    batch, hidden, dropout, Adam lr / weight decay, seed; featureless types with ``--featureless
+    embed``: server-held embeddings of the feature width, U(-1, 1), sparse Adam with
+    ``--emb-lr``, as DGL's NodeEmbedding + SparseAdam here) and ``--model
+    args.mfgserve_model``."""
+    meta = PartitionSetMeta.load(parts)
+    fan, rel = [], []
+    for f in args.fanouts:  # a per-relation map: '*' (else all) plus --rel-fanouts
+        fan.append(int(f.get("*", -1)) if isinstance(f, dict) else int(f))
+        rel.append(":".join(f"{k}={v}" for k, v in f.items() if k != "*")
+                   if isinstance(f, dict) else "")
+    argv = [sys.executable, "-m", "deploy.worker_mode", "--parts", str(parts),
+            "--num-trainers", "1", "--model", args.mfgserve_model,
+            "--epochs", str(args.epochs), "--fanouts", ",".join(map(str, fan)),
+            "--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
+            "--dropout", str(args.dropout), "--lr", str(args.lr),
+            "--weight-decay", str(args.weight_decay), "--seed", str(args.seed),
+            "--run-dir", str(run_dir), "--no-progress"]
+    if any(rel):
+        argv += ["--rel-fanouts", "/".join(rel)]
+    if args.featureless == "embed" and set(meta.ntypes) - set(meta.feat_ntypes):
+        if args.emb_optimizer != "sparse-adam" or args.emb_init != 1.0:
+            raise SystemExit("--mfgserve: mfgserve's embeddings are U(-1, 1) rows trained by "
+                             "sparse Adam: use --emb-optimizer sparse-adam --emb-init 1")
+        argv += ["--node-emb-dim", str(meta.feat_dim), "--node-emb-lr", str(args.emb_lr)]
+    return argv
+
+
+def run_mfgserve(args: argparse.Namespace) -> dict:
+    """The worker-mode run of :func:`worker_mode_argv`: its summary's accuracy figures."""
+    run_dir = Path(args.work_dir) / f"{args.mfgserve_model}-s{args.seed}-{int(time.time())}"
+    argv = worker_mode_argv(args.parts, args, run_dir)
+    print("worker-mode: " + " ".join(argv[3:]), file=sys.stderr, flush=True)
+    proc = subprocess.run(argv, cwd=_REPO, stdout=subprocess.PIPE, text=True,
+                          stdin=subprocess.DEVNULL, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"worker-mode exited with {proc.returncode}")
+    s = json.loads(lines[-1])
+    return {k: s.get(k) for k in ("model", "test_acc", "valid_acc", "best_epoch", "final_loss",
+                                  "seeds_per_s", "train_s", "num_parts", "run_dir")}
+
+
 def _fanouts(text: str) -> list:
     """``15,10`` (every relation) or ``writes=10:cites=5,...`` per layer separated by '/'."""
     if "=" not in text:
@@ -356,6 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--max-batches", type=int, default=None,
                    help="cap the batches of each training and evaluation pass")
+    p.add_argument("--mfgserve", action="store_true",
+                   help="also train mfgserve (deploy.worker_mode, 1 trainer) on the same set "
+                        "with the same settings and --model MFGSERVE_MODEL; the JSON line "
+                        "then has dgl, mfgserve and test_acc_diff (mfgserve - DGL)")
+    p.add_argument("--mfgserve-model", choices=("hetero-sage", "rsage"),
+                   default="hetero-sage",
+                   help="--mfgserve: the worker mode's --model (hetero-sage: DGL's "
+                        "HeteroGraphConv of SAGEConv in mfgserve, the default)")
+    p.add_argument("--work-dir", default="runs/dgl_hetero",
+                   help="--mfgserve: the worker-mode run directories go below it")
     return p
 
 
@@ -372,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_batches=args.max_batches, emb_optimizer=args.emb_optimizer,
                            emb_lr=args.emb_lr, emb_init=args.emb_init,
                            model_name=args.model)
+    if args.mfgserve:
+        mfg = run_mfgserve(args)
+        res = {"dgl": res, "mfgserve": mfg,
+               "test_acc_diff": round(mfg["test_acc"] - res["test_acc"], 4)}
     print(json.dumps(res), flush=True)
     return 0
 
