@@ -198,9 +198,10 @@ class DGLSumSAGE(nn.Module):
 
 
 class DGLReference(nn.Module):
-    """The DGL model: HeteroGraphConv({rel: SAGEConv}, aggregate="sum") layers, ReLU between."""
+    """The DGL model: HeteroGraphConv({rel: SAGEConv}, aggregate="sum") layers, ReLU between,
+    each layer's relations built in ``etypes`` order (as HeteroSAGE builds its own)."""
 
-    def __init__(self, dims: list[dict[str, int]], aggregator: str):
+    def __init__(self, dims: list[dict[str, int]], aggregator: str, etypes=ETYPES):
         super().__init__()
         from dgl.nn import HeteroGraphConv, SAGEConv
 
@@ -210,7 +211,7 @@ class DGLReference(nn.Module):
             return DGLSumSAGE((i[s], i[d]), o)
 
         self.layers = nn.ModuleList(
-            HeteroGraphConv({e: conv(s, d, i, o[NTYPES[0]]) for s, e, d in ETYPES},
+            HeteroGraphConv({e: conv(s, d, i, o[NTYPES[0]]) for s, e, d in etypes},
                             aggregate="sum")
             for i, o in zip(dims[:-1], dims[1:]))
 
@@ -239,6 +240,23 @@ def copy_from_reference(model: RelGraphSAGE, ref: DGLReference) -> None:
                 ours.self_fc[ti].bias.copy_(sum(m.fc_self.bias for m in into))
 
 
+def forward_backward_agree(model, ref, mfg, blocks) -> None:
+    """Our model on the MFG and DGL's ``ref`` on DGL's blocks (and on the MFG's own DGL
+    blocks): the same outputs and input gradients; the parameters' gradients are left for
+    the caller to compare."""
+    x_ours = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
+    x_ref = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
+    out, want = model(mfg, x_ours), ref(blocks, x_ref)
+    assert out.shape == (mfg.output_nodes.numel(), CLASSES)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref(mfg.to_dgl(), mfg.feat), want, atol=1e-5, rtol=1e-5)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * g).sum().backward()
+    (want * g).sum().backward()
+    for t in NTYPES:
+        torch.testing.assert_close(x_ours[t].grad, x_ref[t].grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("aggregator", ["mean", "sum"])
 @pytest.mark.parametrize("hidden", [3, 16])  # 3: project before aggregating (in > out)
 def test_model_equals_dgl_heterographconv_forward_and_gradients(batch, aggregator, hidden):
@@ -251,18 +269,7 @@ def test_model_equals_dgl_heterographconv_forward_and_gradients(batch, aggregato
         "predict_ntype": "paper", "in_feats": WIDTHS, "hidden": hidden,
         "num_classes": CLASSES, "num_layers": 2, "aggregator": aggregator})
     copy_from_reference(model, ref)
-    x_ours = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
-    x_ref = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
-    out, want = model(mfg, x_ours), ref(blocks, x_ref)
-    assert out.shape == (mfg.output_nodes.numel(), CLASSES)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    # the same reference on the view's own DGL blocks
-    torch.testing.assert_close(ref(mfg.to_dgl(), mfg.feat), want, atol=1e-5, rtol=1e-5)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    (out * g).sum().backward()
-    (want * g).sum().backward()
-    for t in NTYPES:
-        torch.testing.assert_close(x_ours[t].grad, x_ref[t].grad, atol=1e-5, rtol=1e-5)
+    forward_backward_agree(model, ref, mfg, blocks)
     for ours, theirs in zip(model.layers, ref.layers):
         for r, (_, e, _) in enumerate(ours.etypes):
             torch.testing.assert_close(ours.rel_fc[r].weight.grad,
@@ -454,30 +461,6 @@ def test_spec_from_metadata_and_bad_specs():
 # --- hetero-sage: DGL's HeteroGraphConv({rel: SAGEConv((d_s, d_t), out, "mean")}, "sum")
 
 
-def dgl_hetero_sage(etypes, dims: list[dict[str, int]], out_ntype: str = "paper") -> nn.Module:
-    """DGL's model, layers built in ``etypes`` order (as HeteroSAGE builds its own)."""
-    from dgl.nn import HeteroGraphConv, SAGEConv
-
-    class Ref(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(
-                HeteroGraphConv({e: SAGEConv((i[s], i[d]), o[d], "mean") for s, e, d in etypes},
-                                aggregate="sum")
-                for i, o in zip(dims[:-1], dims[1:]))
-
-        def forward(self, blocks, x):
-            h = x
-            for i, (layer, blk) in enumerate(zip(self.layers, blocks)):
-                h = layer(blk, h)
-                if i < len(self.layers) - 1:
-                    h = {t: F.relu(v) for t, v in h.items()}
-            return h[out_ntype]
-
-    import_dgl()
-    return Ref()
-
-
 def from_dgl_state(ref: nn.Module, etypes) -> dict:
     """DGL's state dict with ``mods.{etype}`` renamed to HeteroSAGE's ``mods.{position}``."""
     pos = {e: str(r) for r, (_, e, _) in enumerate(etypes)}
@@ -510,7 +493,7 @@ def test_hetero_sage_is_dgl_heterographconv_init_forward_and_gradients(hidden, d
                if b.num_edges())
     dims = [WIDTHS, {t: hidden for t in NTYPES}, {t: CLASSES for t in NTYPES}]
     torch.manual_seed(11)
-    ref = dgl_hetero_sage(etypes, dims)
+    ref = DGLReference(dims, "mean", etypes)
     torch.manual_seed(11)
     spec = hetero_spec(SimpleNamespace(ntypes=NTYPES, etypes=etypes, predict_ntype="paper"),
                        WIDTHS, hidden, CLASSES, 2, name="hetero-sage")
@@ -530,17 +513,7 @@ def test_hetero_sage_is_dgl_heterographconv_init_forward_and_gradients(hidden, d
             model.load_state_dict(from_dgl_state(ref, etypes))
         model.zero_grad()
         ref.zero_grad()
-        x_ours = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
-        x_ref = {t: v.clone().requires_grad_() for t, v in mfg.feat.items()}
-        out, want = model(mfg, x_ours), ref(blocks, x_ref)
-        assert out.shape == (mfg.output_nodes.numel(), CLASSES)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ref(mfg.to_dgl(), mfg.feat), want, atol=1e-5, rtol=1e-5)
-        gr = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        (out * gr).sum().backward()
-        (want * gr).sum().backward()
-        for t in NTYPES:
-            torch.testing.assert_close(x_ours[t].grad, x_ref[t].grad, atol=1e-5, rtol=1e-5)
+        forward_backward_agree(model, ref, mfg, blocks)
         grads = {k: p.grad for k, p in model.named_parameters()}
         ref_grads = dict(zip(from_dgl_state(ref, etypes),
                              (p.grad for p in ref.state_dict(keep_vars=True).values())))

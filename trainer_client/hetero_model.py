@@ -96,19 +96,18 @@ class _TypedConv(nn.Module):
         self._rel_index = {e: i for i, e in enumerate(self.etypes)}
 
     def _type(self, t: str) -> int:
-        i = self._type_index.get(t)
-        if i is None:
-            raise ValueError(f"the MFG has node type {t!r}, which the model does not know "
-                             f"(model node types {self.ntypes}): build the model from this "
-                             "graph's partition metadata")
-        return i
+        return self._index(self._type_index, t, f"node type {t!r}", "node types", self.ntypes)
 
     def _rel(self, rel: CanonicalEtype) -> int:
-        i = self._rel_index.get(rel)
+        return self._index(self._rel_index, rel, f"relation {rel}", "relations", self.etypes)
+
+    @staticmethod
+    def _index(index: dict, key, what: str, kind: str, known: list) -> int:
+        i = index.get(key)
         if i is None:
-            raise ValueError(f"the MFG has relation {rel}, which the model does not know "
-                             f"(model relations {self.etypes}): build the model from "
-                             "this graph's partition metadata")
+            raise ValueError(f"the MFG has {what}, which the model does not know (model "
+                             f"{kind} {known}): build the model from this graph's partition "
+                             "metadata")
         return i
 
     @staticmethod
