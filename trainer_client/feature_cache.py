@@ -5,6 +5,13 @@ partition time): with ratio r, the nodes ranked below floor(r * part size) in ea
 Servers apply the same rule and leave those rows out of their replies (the cached mode of
 common.sampled_mfg.Features: a present-mask), so neither side sends a list of cached ids.
 :meth:`assemble` rebuilds the full feature matrix.
+
+Typed (heterogeneous) sets keep one global id space over all node types and one feature
+matrix, and hot_rank.npy ranks a part's nodes of every type together: one cache serves every
+type, and the loader assembles each NodeSet of a typed MFG (its global ids, its received rows,
+its present-mask) like a homogeneous MFG's one set. Featureless types (their rows are zeros)
+are cached like the others when hot: correct, but cache space spent on rows a run with
+``--node-emb-dim`` does not read.
 """
 
 from __future__ import annotations

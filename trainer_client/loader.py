@@ -19,6 +19,11 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
   layer one fanout per relation id) on a typed set. With the shared-memory ring the servers
   write every node type's rows into the one slot, type after type in node-set order; each
   NodeSet's ``num_rows`` says how many are its own (sampler_server/sample_worker.py).
+* ``cache`` (``--cache-ratio``): in the cached mode a server leaves out the rows the trainer's
+  :class:`FeatureCache` holds and sends a present-mask per NodeSet; each NodeSet with one is
+  completed from the cache (one cache over the set's one global id space serves every node
+  type; with the ring, the slot holds only the present rows). Homogeneous and typed MFGs go
+  through the same code (:meth:`DistNodeDataLoader._features`, one tensor per NodeSet).
 * ``deterministic`` (the default): batch i of an epoch carries the sample seed
   ``derive_seed(seed, epoch, rank, i)`` (a resend to another replica keeps it), so its MFG
   is the same in every run with the same seed: a run resumed at epoch k samples exactly what
@@ -167,9 +172,6 @@ class DistNodeDataLoader:
         if rel_fanouts and len(rel_fanouts) != len(self.fanouts):
             raise ValueError(f"rel_fanouts needs one row per layer ({len(self.fanouts)}), "
                              f"got {len(rel_fanouts)}")
-        if hetero and cache is not None:
-            raise ValueError("the feature cache does not serve typed MFGs (hetero); run "
-                             "without --cache-ratio")
         self.no_ring: set[str] = set()  # servers that said they cannot use the ring
         self.epoch = 0
         self.stats = LoaderStats()
@@ -220,38 +222,59 @@ class DistNodeDataLoader:
         handle = self.pool.submit(self._owner(batch), req, before_send=offer)
         return handle, (offered[0] if offered else None)
 
-    def _features(self, reply: MFGReply, slot: int | None, handle: Handle) -> Tensor:
-        """The reply's input features: a view of its ring slot or its frame off the wire,
-        completed from the feature cache in the cached mode."""
+    def _features(self, reply: MFGReply, slot: int | None, handle: Handle) -> list[Tensor]:
+        """Each NodeSet's input features (one per node type; a homogeneous MFG has one), in
+        node-set order: its frame off the wire, or its share of the ring slot (the sets' rows
+        one after the other), completed from the feature cache where the server left rows
+        out (the cached mode: a present-mask per NodeSet over its own global ids)."""
         ring = self.ring
-        f = reply.mfg.only.feat
+        sets = reply.mfg.nodes
         if slot is not None and handle.attempts > 1:
             # Re-sent without the slot (ServerPool.for_resend); the first server may still
             # write into it, so it is never reused.
             ring.poison(slot)  # type: ignore[union-attr]
             slot = None
         endpoint = handle.channel.endpoint
-        if f.slot_error and endpoint not in self.no_ring:
+        errors = [ns.feat.slot_error for ns in sets if ns.feat.slot_error]
+        if errors and endpoint not in self.no_ring:
             log.warning("server %s cannot use this trainer's shared-memory ring; its replies "
-                        "come over the socket: %s", endpoint, f.slot_error)
+                        "come over the socket: %s", endpoint, errors[0])
             self.no_ring.add(endpoint)
-        if f.via != FEAT_RING:
+        via_ring = [ns.feat.via == FEAT_RING for ns in sets]
+        rows: list[Tensor]
+        if not any(via_ring):
             if slot is not None:
                 ring.release(slot)  # type: ignore[union-attr]
-            rows = f.rows
+            rows = [ns.feat.rows for ns in sets]
         elif slot is None:
             raise RuntimeError("a server wrote features into a ring slot this trainer did not "
                                "offer it")
+        elif not all(via_ring):
+            raise RuntimeError("a server sent some node types' features in the ring slot and "
+                               "others on the wire; expected all in one place")
         else:
             self.stats.ring_hits += 1
-            rows = ring.view(slot, f.num_rows, f.rows.shape[1],  # type: ignore[union-attr]
-                             f.rows.dtype, self._release)
-        if not f.present.numel():
-            return rows
-        if self.cache is None:
-            raise RuntimeError("a server left out cached features, but this loader has "
-                               "no feature cache")
-        return self.cache.assemble(reply.mfg.input_nodes, rows, f.present)
+            f0 = sets[0].feat
+            sizes = [ns.feat.num_rows for ns in sets]  # present rows only, in the cached mode
+            # Views of the slot: it is released (_release) once the last of them is gone; the
+            # cache's assembly copies a set's rows out, so that set's view dies here.
+            view = ring.view(slot, sum(sizes), f0.rows.shape[1],  # type: ignore[union-attr]
+                             f0.rows.dtype, self._release)
+            rows = [view] if len(sets) == 1 else list(torch.split(view, sizes))
+            # A type without input nodes: a fresh empty tensor, so that in the cached mode
+            # (every other set assembled) nothing keeps the slot past this batch's decode.
+            rows = [r if r.numel() else r.clone() for r in rows]
+            del view
+        out = []
+        for ns in sets:
+            r = rows.pop(0)
+            if ns.feat.present.numel():
+                if self.cache is None:
+                    raise RuntimeError("a server left out cached features, but this loader "
+                                       "has no feature cache")
+                r = self.cache.assemble(ns.ids, r, ns.feat.present)
+            out.append(r)
+        return out
 
     def _release(self, slot: int) -> None:
         """A slot's last host tensor is gone; with CUDA, free it once the copy is done."""
@@ -264,51 +287,18 @@ class DistNodeDataLoader:
             event.record(self.copy_stream)
         self.ring.release(slot, event)  # type: ignore[union-attr]
 
-    def _typed_features(self, reply: MFGReply, slot: int | None, handle: Handle
-                        ) -> dict[str, Tensor]:
-        """Each node type's input features (hetero): its frame, or its share of the ring
-        slot (the types' rows one after the other, in node-set order)."""
-        ring = self.ring
-        sets = reply.mfg.nodes
-        if slot is not None and handle.attempts > 1:
-            ring.poison(slot)  # type: ignore[union-attr]  # see _features
-            slot = None
-        endpoint = handle.channel.endpoint
-        errors = [ns.feat.slot_error for ns in sets if ns.feat.slot_error]
-        if errors and endpoint not in self.no_ring:
-            log.warning("server %s cannot use this trainer's shared-memory ring; its replies "
-                        "come over the socket: %s", endpoint, errors[0])
-            self.no_ring.add(endpoint)
-        if any(ns.feat.present.numel() for ns in sets):
-            raise RuntimeError("a server left out cached features of a typed MFG; this "
-                               "loader has no feature cache for typed MFGs")
-        via_ring = [ns.feat.via == FEAT_RING for ns in sets]
-        if not any(via_ring):
-            if slot is not None:
-                ring.release(slot)  # type: ignore[union-attr]
-            return {ns.ntype: ns.feat.rows for ns in sets}
-        if slot is None:
-            raise RuntimeError("a server wrote features into a ring slot this trainer did not "
-                               "offer it")
-        if not all(via_ring):
-            raise RuntimeError("a server sent some node types' features in the ring slot and "
-                               "others on the wire; expected all in one place")
-        self.stats.ring_hits += 1
-        f0 = sets[0].feat
-        sizes = [ns.feat.num_rows for ns in sets]
-        rows = ring.view(slot, sum(sizes), f0.rows.shape[1],  # type: ignore[union-attr]
-                         f0.rows.dtype, self._release)
-        return {ns.ntype: part for ns, part in zip(sets, torch.split(rows, sizes))}
-
     def _to_mfg(self, reply: MFGReply, slot: int | None, handle: Handle) -> MFG | HeteroMFG:
         """Decode the reply into an MFG and start its copy to the device (non-blocking)."""
         t0 = time.perf_counter()
         mfg: MFG | HeteroMFG
+        feats = self._features(reply, slot, handle)
         if self.hetero:
-            mfg = HeteroMFG.of(reply.mfg, self._typed_features(reply, slot, handle),
+            mfg = HeteroMFG.of(reply.mfg, {ns.ntype: f for ns, f in zip(reply.mfg.nodes, feats)},
                                seed_ntype=self.seed_ntype)
         else:
-            mfg = MFG.of(reply.mfg, self._features(reply, slot, handle))
+            (feat,) = feats
+            mfg = MFG.of(reply.mfg, feat)
+        del feats
         t1 = time.perf_counter()
         self.stats.decode_s += t1 - t0
         if self.copy_stream is not None:
@@ -316,7 +306,7 @@ class DistNodeDataLoader:
                 mfg = mfg.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-            mfg.ready = event  # type: ignore[attr-defined]
+            mfg.ready = event  # type: ignore[union-attr]
         else:
             mfg = mfg.to(self.device)  # the same step; on CPU nothing to copy
         self.stats.h2d_s += time.perf_counter() - t1
