@@ -41,8 +41,9 @@ from common.tensor_messages import (  # noqa: F401 (re-exported)
 # 2: partition-set ids (set_id), Shutdown token; 3: nested structs: the MFG reply carries a
 # SampledMFG, SAMPLE's ring slot is one SlotRef; 4: STATUS, seeded sampling (SAMPLE
 # sample_seed, NEIGHBORS seed), node tensor optimizer state, SAMPLE without features;
-# 5: typed graphs: SAMPLE rel_fanouts (per-relation fanouts), NEIGHBORS etype
-PROTOCOL_VERSION = 5
+# 5: typed graphs: SAMPLE rel_fanouts (per-relation fanouts), NEIGHBORS etype; 6: PONG names
+# the task (task_type, num_tasks, eval_metric)
+PROTOCOL_VERSION = 6
 FEAT_TRANSFER_DTYPES = {"": None, "float32": torch.float32, "float16": torch.float16,
                         "bfloat16": torch.bfloat16}
 
@@ -134,6 +135,12 @@ class Pong(Message):
     ntypes: list[NodeTypeInfo] = field(default_factory=list)
     etypes: list[RelationInfo] = field(default_factory=list)
     predict_ntype: str = ""
+    # The task (partition/layout.py PartitionSetMeta, ogb's meta_dict names): task_type
+    # "multiclass" or "binary", num_tasks (1 for multiclass), eval_metric "acc" or "rocauc".
+    # A server fills all three from its partition metadata; "" / 0 / "": not said.
+    task_type: str = ""
+    num_tasks: int = 0
+    eval_metric: str = ""
 
 
 @dataclass

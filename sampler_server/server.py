@@ -130,7 +130,8 @@ class PartitionHandlers:
                     pid=os.getpid(), server_id=self.server_id, set_id=m.set_id,
                     ntypes=[NodeTypeInfo(t, t in m.feat_ntypes) for t in m.ntypes],
                     etypes=[RelationInfo(*e) for e in m.etypes],
-                    predict_ntype=m.predict_ntype)
+                    predict_ntype=m.predict_ntype, task_type=m.task_type,
+                    num_tasks=m.num_tasks, eval_metric=m.eval_metric)
 
     def seeds(self, msg: SeedsRequest, call: Call) -> SeedsReply:
         return SeedsReply(seeds=self.store.seeds(msg.split))

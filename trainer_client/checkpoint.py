@@ -7,15 +7,25 @@ uninterrupted run would be::
     {"format": "mfgserve-checkpoint/1", "epoch": epochs completed, "model": state_dict,
      "optimizer": ..., "scheduler": ... or {}, "rng": {"torch": ByteTensor},
      "config": the options that change the result (:func:`result_config`), "set_id",
-     "dataset", "world_size", "run_dir", "best": {...}, "best_state": the best model's
-     state_dict (rank 0 rewrites best_model.pt from it on resume: the killed run may have
-     saved a better model of an epoch after the checkpoint), "history": [...],
+     "dataset", "world_size", "run_dir", "best": {"valid_<metric>", "test_<metric>",
+     "epoch"} (read back by :func:`resumed_best`), "best_state": the best model's state_dict
+     (rank 0 rewrites best_model.pt from it on resume: the killed run may have saved a
+     better model of an epoch after the checkpoint), "history": [...],
      "early_stop": {"bad_evals": int, "stopped": bool}, "node_tensors": {name: state}}
 
 Only tensors, dicts, lists, str, int, float, bool and None: ``torch.load(weights_only=True)``
 reads it (a file that needs anything else is refused, never executed). Written to a temporary
 file, synced, then renamed over the final name: a process killed while writing leaves the
 previous checkpoints intact and no partial ``epoch-*.pt``.
+
+The best model (``<run dir>/best_model.pt``, :func:`save_best_model`)::
+
+    {"format": "mfgserve-model/1", "model_spec", "state_dict", "epoch",
+     "valid_<metric>": its validation score (valid_acc, valid_rocauc), "eval_metric":
+     the dataset's metric, "set_id", "dataset"}
+
+(files written before ``eval_metric`` existed hold ``valid_acc`` whatever the metric was;
+:func:`best_score` reads both).
 
 A checkpoint is only resumed by a run that computes the same thing: same partition set,
 dataset, number of trainers and every option outside :data:`RUN_ONLY_KEYS`; otherwise
@@ -147,15 +157,43 @@ def model_state(model: nn.Module) -> dict:
 
 
 def save_best_model(path: str | Path, model: nn.Module | dict, spec: dict, epoch: int,
-                    valid_acc: float, set_id: str, dataset: str) -> Path:
+                    valid: float, set_id: str, dataset: str, metric: str = "acc") -> Path:
     """The best-validation model (``mfgserve-model/1``; ``model``: a module or its
     :func:`model_state`), loadable with weights_only=True and rebuilt by
-    ``trainer_client.models.build_model(spec)``."""
+    ``trainer_client.models.build_model(spec)``. Its validation score is stored under the
+    dataset's metric, ``valid_<metric>`` (``valid_acc``, ``valid_rocauc``), with
+    ``eval_metric`` naming it; :func:`best_score` reads it back (older files too)."""
     state = model_state(model) if isinstance(model, nn.Module) else model
     return save_atomic({"format": MODEL_FORMAT, "model_spec": dict(spec),
                         "state_dict": state, "epoch": int(epoch),
-                        "valid_acc": float(valid_acc), "set_id": set_id,
-                        "dataset": dataset}, path)
+                        f"valid_{metric}": float(valid), "eval_metric": metric,
+                        "set_id": set_id, "dataset": dataset}, path)
+
+
+def best_score(saved: dict) -> tuple[str, float]:
+    """``(metric, validation score)`` of a saved best model: its ``eval_metric`` and
+    ``valid_<metric>``; a file written before models named their metric holds ``valid_acc``
+    only (whatever the metric was): ``("acc", valid_acc)``."""
+    metric = saved.get("eval_metric") or "acc"
+    key = f"valid_{metric}"
+    if key not in saved:
+        raise ConfigError(f"the saved model names metric {metric!r} but has no {key!r}; it "
+                          "is damaged")
+    return metric, float(saved[key])
+
+
+def resumed_best(best: dict, metric: str) -> dict:
+    """A checkpoint's ``best`` (``{"valid_<metric>", "test_<metric>", "epoch"}``) for a run
+    whose metric is ``metric``. A checkpoint that keyed the best by ``valid_acc`` / ``test_acc``
+    whatever the metric was is read with those values as the metric's."""
+    key = f"valid_{metric}"
+    if key in best:
+        return dict(best)
+    if "valid_acc" in best:
+        return {key: best["valid_acc"], f"test_{metric}": best.get("test_acc", 0.0),
+                "epoch": best.get("epoch", -1)}
+    raise ConfigError(f"the checkpoint's best model record {sorted(best)} has no {key!r} "
+                      "(this run's metric); it was written by another kind of run")
 
 
 class Checkpointer:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from common.errors import MfgServeError
 
-__all__ = ["Task", "task_of", "rocauc", "loss_fn", "gather_rows"]
+__all__ = ["TASK_METRICS", "Task", "task_of", "rocauc", "loss_fn", "gather_rows"]
 
 OGB_PROTEINS_TASKS = 112  # Evaluator('ogbn-proteins') checks for exactly this many
 
@@ -39,28 +39,25 @@ class Task:
         return self.task_type == "binary"
 
 
-def task_of(pool, info) -> Task:
-    """The task of the served partition set: the servers' ping reply when it names it,
-    otherwise read off the label rows the servers hold (one node's labels: ``[1]`` int64
-    for multiclass, ``[1, T]`` float32 for binary tasks, whose metric is ogb's rocauc)."""
-    if getattr(info, "task_type", ""):
-        return Task(info.task_type, int(info.num_tasks), info.eval_metric)
-    from common.messages import NodeDataReply, NodeDataRequest
-    from common.rpc import expect
+TASK_METRICS = {"multiclass": "acc", "binary": "rocauc"}  # the metric of each task type
 
-    offsets = list(info.node_offsets)
-    part = next((p for p in range(len(offsets) - 1) if offsets[p + 1] > offsets[p]), 0)
-    req = NodeDataRequest(nodes=torch.tensor([offsets[part]], dtype=torch.int64),
-                          with_feat=False, with_label=True, set_id=info.set_id)
-    reply = expect(pool.wait(pool.submit(part, req)), NodeDataReply, f"part {part}")
-    label = reply.label
-    if label.dim() == 2 and label.dtype.is_floating_point:
-        return Task("binary", int(label.shape[1]), "rocauc")
-    if label.dim() == 1 and not label.dtype.is_floating_point:
-        return Task()
-    raise MfgServeError(f"the servers hold labels of dtype {label.dtype} and shape "
-                        f"{tuple(label.shape)} per node; expected int64 [n] (multiclass) or "
-                        "float32 [n, num_tasks] (binary tasks): re-run partition-ogbn")
+
+def task_of(pool, info) -> Task:
+    """The task of the served partition set, as the servers' ping reply (``info``, a
+    :class:`common.messages.Pong`) names it from the partition metadata. ``pool`` is not
+    used (the ping already asked every server). Raises :class:`MfgServeError` when the reply
+    does not name a task this trainer knows."""
+    task_type, num_tasks, metric = (getattr(info, "task_type", ""),
+                                    int(getattr(info, "num_tasks", 0)),
+                                    getattr(info, "eval_metric", ""))
+    if task_type not in TASK_METRICS or metric != TASK_METRICS[task_type] or num_tasks < 1 \
+            or (task_type == "multiclass" and num_tasks != 1):
+        raise MfgServeError(
+            f"the servers of {getattr(info, 'dataset', '?')} name task {task_type or '(none)'!r} "
+            f"with {num_tasks} task(s) and metric {metric or '(none)'!r}; this trainer knows "
+            "multiclass (1 task, acc) and binary (rocauc): re-run partition-ogbn, or run "
+            "servers and trainers of the same mfgserve version")
+    return Task(task_type, num_tasks, metric)
 
 
 def loss_fn(task: Task, logits: Tensor, label: Tensor) -> Tensor:

@@ -54,6 +54,7 @@ from trainer_client.checkpoint import (
     load_bytes,
     model_state,
     result_config,
+    resumed_best,
     save_best_model,
 )
 from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, make_scheduler
@@ -460,7 +461,8 @@ def _evaluate_epoch(run: Run, fit: FitState, epoch: int, record: dict) -> None:
 
 def _write_best(run: Run, fit: FitState) -> None:
     save_best_model(run.files.best_model, run.best_state or {}, run.spec, fit.best["epoch"],
-                    fit.best[f"valid_{run.metric}"], run.info.set_id, run.info.dataset)
+                    fit.best[f"valid_{run.metric}"], run.info.set_id, run.info.dataset,
+                    metric=run.metric)
 
 
 def _full_eval(run: Run) -> dict:
@@ -691,7 +693,7 @@ def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
         if run.sched is not None:
             run.sched.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng"]["torch"])
-        fit.history, fit.best = list(ckpt["history"]), dict(ckpt["best"])
+        fit.history, fit.best = list(ckpt["history"]), resumed_best(ckpt["best"], run.metric)
         fit.early.load(ckpt["early_stop"])
         fit.start_epoch = int(ckpt["epoch"])
         run.ckpt.kept = [plan["checkpoint"]]
