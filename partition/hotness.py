@@ -44,10 +44,16 @@ def presample_hotness(keys: np.ndarray, n: int, train: np.ndarray, batches: int,
     return counts
 
 
-def rank_within_parts(hot: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """rank[gid] = position of gid in its part when sorted by hotness (desc), ties by id."""
+def rank_within_parts(hot: np.ndarray, offsets: np.ndarray,
+                      last: np.ndarray | None = None) -> np.ndarray:
+    """rank[gid] = position of gid in its part when sorted by hotness (desc), ties by id;
+    nodes where ``last`` is True (a typed set's featureless types, whose feature rows are
+    zeros that no cache needs) rank after every other node of their part."""
     rank = np.empty(hot.size, dtype=np.int64)
     for lo, hi in zip(offsets[:-1], offsets[1:]):
-        order = np.argsort(-hot[lo:hi], kind="stable")
+        if last is None:
+            order = np.argsort(-hot[lo:hi], kind="stable")
+        else:  # lexsort is stable: ties stay in id order
+            order = np.lexsort((-hot[lo:hi], last[lo:hi]))
         rank[lo + order] = np.arange(hi - lo)
     return rank

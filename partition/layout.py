@@ -10,7 +10,8 @@ A partition set is a directory::
       hot_rank.npy           int64 [N]   (optional) rank of each node within its part by how often
                                          pre-sampled mini-batches used it (0 = hottest); a
                                          trainer with cache ratio r caches the nodes with
-                                         rank < floor(r * part size), servers skip sending them
+                                         rank < floor(r * part size), servers skip sending them;
+                                         a typed set ranks featureless types' nodes last
       part-0/
         indptr.npy           int64 [n_0 + 1]  CSC over the part's owned nodes: the in-edges of
                                               owned node i (local id) are indices[indptr[i]:indptr[i+1]]

@@ -223,7 +223,8 @@ def partition_graph(
     other parts' nodes within k in-hops of its own nodes (see partition.layout).
     ``presample_batches`` > 0 samples that many mini-batches of training seeds (with
     ``presample_fanouts``) and writes ``hot_rank.npy``: each node's rank within its part by
-    how often it appeared as an input node, the order trainers fill their feature caches in.
+    how often it appeared as an input node, the order trainers fill their feature caches in
+    (on a typed set, the nodes of featureless types rank after every featured node).
 
     ``out`` must be empty or new; an existing partition set there is replaced only with
     ``overwrite=True``, and only when it holds nothing but the set's own files. The set is
@@ -430,10 +431,14 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
                    stride=n * _num_rel(data))
     del keys
     layout.save_array(out / "orig_to_new.npy", orig_to_new)
+    last = None
     if data.is_typed:
-        layout.save_array(out / layout.NODE_TYPE_FILE, data.node_type[new_to_orig])
-    if hot is not None:
-        layout.save_array(out / layout.HOT_RANK_FILE, rank_within_parts(hot, offsets))
+        node_type = data.node_type[new_to_orig]
+        layout.save_array(out / layout.NODE_TYPE_FILE, node_type)
+        featureless = [i for i, t in enumerate(data.ntypes) if t not in set(data.feat_ntypes)]
+        last = np.isin(node_type, featureless) if featureless else None
+    if hot is not None:  # featureless types last: a feature cache holds real rows first
+        layout.save_array(out / layout.HOT_RANK_FILE, rank_within_parts(hot, offsets, last))
     t_write = time.perf_counter()
     stats = _stats(e, part_nodes, infos, part_cut, (t0, t_assign, t_relabel, t_write))
     if data.is_typed:

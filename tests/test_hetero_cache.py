@@ -5,10 +5,10 @@ MFG, over the set's one global id space); the loader completes each NodeSet from
 :class:`~trainer_client.feature_cache.FeatureCache`, through the code homogeneous MFGs take.
 
 A generated ogbn-mag-shaped graph (partition/maggen.py, 2000 papers) is partitioned into 2
-parts by ``partition-ogbn`` (hot_rank.npy pre-sampled, as by default). On a graph this small
-the pre-sampled hotness saturates (almost every node is an input node of every pre-sampled
-batch), ties go by id, and a part's lowest ids (authors) fill its cache first: at ratio 0.3
-the cache holds authors only. Ratio 0.5 caches rows of every node type, so the tests use it.
+parts by ``partition-ogbn`` (hot_rank.npy pre-sampled, as by default). hot_rank.npy ranks the
+featured type (papers) first and the featureless types after it, so at ratio 0.5 a part's
+cache holds all its papers and some of every featureless type: the tests use it so that rows
+of every type are left out.
 
 * Loader level (real servers, real sockets): batches with the cache equal, type by type and
   bit for bit, those of a loader without it (same deterministic sample seeds), with the

@@ -200,6 +200,16 @@ def _check_set(out: Path, raw: Raw, num_parts: int, method: str, *, reverse: boo
     assert tr.max() <= np.ceil(tr.mean()) + tol, tr
     rank = load_hot_rank(out)  # pre-sampling ran on the typed set (as homogeneous)
     assert rank is not None and rank.shape == (raw.n,)
+    # featureless types' nodes rank after every featured node of their part (a feature
+    # cache holds real rows first)
+    node_type = load_node_type(out)
+    featured = np.isin(node_type, [meta.ntypes.index(t) for t in meta.feat_ntypes])
+    offsets = meta.node_offsets
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        r, f = np.asarray(rank[lo:hi]), featured[lo:hi]
+        assert sorted(r.tolist()) == list(range(hi - lo))
+        if f.any() and (~f).any():
+            assert r[f].max() < r[~f].min()
     return st
 
 
@@ -318,3 +328,4 @@ def test_directed_warning_on_a_homogeneous_dataset_dir(tmp_path):
     r = _cli(*base, "--out", tmp_path / "b", "--add-reverse-edges")
     _ok(r)
     assert "looks directed" not in r.stderr
+
