@@ -261,7 +261,7 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
     out, err = tmp_path / "t.out", tmp_path / "t.err"
     argv = [sys.executable, "-m", "deploy.trainer_cli", "--cluster", str(path),
             "--fanouts", ",".join(map(str, FANOUTS)), "--rel-fanouts", REL_FANOUTS,
-            "--batch-size", "16", "--hidden", "16", "--epochs", "3", "--no-progress",
+            "--batch-size", "16", "--hidden", "16", "--epochs", "4", "--no-progress",
             "--num-threads", "1", "--heartbeat-timeout-s", "3", "--request-timeout-s", "60",
             "--run-dir", str(tmp_path / "run")]
     with open(out, "w") as fo, open(err, "w") as fe:
@@ -270,7 +270,7 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
     try:
         def training() -> bool:
             assert trainer.poll() is None, f"trainer exited early:\n{tail(err)}"
-            return _sample_requests(victim_ep) >= 5
+            return _sample_requests(victim_ep) >= 3  # early in epoch 0 of 4
 
         _wait_until(training, 120, "the trainer sampling from the replica", poll=0.1)
         os.kill(victim.proc.pid, signal.SIGSTOP)
@@ -293,7 +293,9 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
             victim.proc.wait(timeout=10)
     assert code == 0, tail(err, 40)
     s = json.loads(out.read_text().strip().splitlines()[-1])
-    assert s["model"] == "rsage" and s["num_parts"] == 2 and s["epochs_done"] == 3, s
+    assert s["model"] == "rsage" and s["num_parts"] == 2 and s["epochs_done"] == 4, s
+    print(f"\ntrainer-client: {s['failovers']} request(s) re-sent, "
+          f"{s['shm_ring']['replies_in_ring']} replies in the ring, test_acc {s['test_acc']}")
     assert s["failovers"] > 0, s
     assert s["shm_ring"]["used"], s["shm_ring"]
     assert 0.0 <= s["test_acc"] <= 1.0
