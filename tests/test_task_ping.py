@@ -48,13 +48,13 @@ def _ping(server) -> Pong:
 def test_ping_names_the_binary_task(server_factory, proteins_parts):
     pong = _ping(server_factory(proteins_parts, 0))
     assert (pong.task_type, pong.num_tasks, pong.eval_metric) == ("binary", 112, "rocauc")
-    assert task_of(None, pong) == Task("binary", 112, "rocauc")  # no request beyond the ping
+    assert task_of(pong) == Task("binary", 112, "rocauc")  # no request beyond the ping
 
 
 def test_ping_names_the_multiclass_task(server_factory, synth_parts1):
     pong = _ping(server_factory(synth_parts1, 0))
     assert (pong.task_type, pong.num_tasks, pong.eval_metric) == ("multiclass", 1, "acc")
-    assert task_of(None, pong) == Task()
+    assert task_of(pong) == Task()
 
 
 def _pong(**task) -> Pong:
@@ -72,7 +72,7 @@ def _pong(**task) -> Pong:
 ])
 def test_a_ping_without_a_known_task_is_refused(task):
     with pytest.raises(MfgServeError, match="this trainer knows"):
-        task_of(None, _pong(**task))
+        task_of(_pong(**task))
 
 
 def test_task_fields_survive_the_codec():

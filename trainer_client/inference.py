@@ -110,7 +110,7 @@ def refuse_multilabel(pool, info) -> None:
     refused before any work, naming the evaluation to use."""
     from trainer_client.metrics import task_of
 
-    task = task_of(pool, info)
+    task = task_of(info)
     if task.binary:
         raise ConfigError(
             f"full-graph inference measures accuracy, but dataset {info.dataset} has "

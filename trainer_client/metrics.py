@@ -42,10 +42,9 @@ class Task:
 TASK_METRICS = {"multiclass": "acc", "binary": "rocauc"}  # the metric of each task type
 
 
-def task_of(pool, info) -> Task:
+def task_of(info) -> Task:
     """The task of the served partition set, as the servers' ping reply (``info``, a
-    :class:`common.messages.Pong`) names it from the partition metadata. ``pool`` is not
-    used (the ping already asked every server). Raises :class:`MfgServeError` when the reply
+    :class:`common.messages.Pong`) names it from the partition metadata. Raises :class:`MfgServeError` when the reply
     does not name a task this trainer knows."""
     task_type, num_tasks, metric = (getattr(info, "task_type", ""),
                                     int(getattr(info, "num_tasks", 0)),

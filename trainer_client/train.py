@@ -659,17 +659,17 @@ def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info, run_dir: str):
 def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, plan: dict,
                ring) -> Run:
     check_typed_run(cfg, info)  # typed sets: model, options (trainer_client/typed.py)
-    task = task_of(pool, info)
+    task = task_of(info)
     if task.binary and cfg.eval == "full":
         raise ConfigError(
             f"--eval full (layer-wise inference) measures accuracy, but dataset {info.dataset} "
             f"has {task.num_tasks} binary tasks evaluated by ROC-AUC: use --eval sampled")
     spec = _model_spec(cfg, info, task)
     model = build_model(spec).to(device)
-    # rsage: relations / node types without destinations or edges in a batch (and the last
-    # layer's non-seed types) leave parameters unused; DDP must look for them every step
-    net = (DDP(model, find_unused_parameters=spec["name"] in HETERO_MODEL_NAMES) if ddp.world_size > 1
-           else model)
+    # typed models: relations / node types without destinations or edges in a batch (and the
+    # last layer's non-seed types) leave parameters unused; DDP must look for them every step
+    typed = spec["name"] in HETERO_MODEL_NAMES
+    net = DDP(model, find_unused_parameters=typed) if ddp.world_size > 1 else model
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     cache = _make_cache(cfg, pool, info, device)
     splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
