@@ -307,12 +307,6 @@ class TrainerConfig:
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise ConfigError(f"--grad-clip must be a finite number >= 0 (0: off), got "
                               f"{self.grad_clip}")
-        if self.eval == "full" and self.model in HETERO_MODEL_NAMES:
-            raise ConfigError(f"--eval full (layer-wise inference) does not run typed models "
-                              f"(--model {self.model}); use --eval sampled")
-        if self.eval == "full" and self.node_emb_dim > 0:
-            raise ConfigError("--eval full reads the served features only, not the learnable "
-                              "node embedding of --node-emb-dim; use --eval sampled with it")
 
 
 def parse_rel_fanouts(text: str, fanouts: list[int]) -> list[dict[str, int]]:

@@ -211,7 +211,6 @@ def test_rel_fanouts_table_model_choice_and_widths():
     emb = TrainerConfig(cluster="/c", node_emb_dim=4)
     assert in_feats(emb, info) == {"author": 4, "paper": 8}
     assert in_feats(TrainerConfig(cluster="/c"), info) == {"author": 8, "paper": 8}
-    with pytest.raises(ConfigError, match="--eval sampled"):
-        refuse_typed("sage", info)
-    with pytest.raises(ConfigError, match="--eval full"):
-        TrainerConfig(cluster="/c", model="rsage", eval="full").validate()
+    with pytest.raises(ConfigError, match="mfgserve-infer does not export typed"):
+        refuse_typed("sage", info)  # --eval full runs typed sets (test_hetero_inference.py)
+    TrainerConfig(cluster="/c", model="rsage", eval="full", node_emb_dim=8).validate()

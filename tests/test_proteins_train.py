@@ -135,11 +135,16 @@ def test_worker_mode_trains_multilabel(sets, tmp_path, num_parts, tasks, extra):
         assert summary["cache"]["rows_from_cache"] > 0
 
 
-def test_full_eval_is_refused_for_multilabel(sets, tmp_path):
+def test_full_eval_measures_rocauc_on_a_halo_set(sets, tmp_path):
+    """--eval full (layer-wise inference) on a multi-label set with a halo: ROC-AUC, keyed
+    as sampled evaluation keys it (tests/test_hetero_inference.py checks its value)."""
     proc = _worker(["--parts", str(sets["halo2"]), "--epochs", "1", "--eval", "full",
-                    "--work-dir", str(tmp_path / "w"), "--no-progress"], tmp_path)
-    assert proc.returncode != 0
-    assert "--eval sampled" in proc.stderr and "ROC-AUC" in proc.stderr
+                    "--fanouts", "5,5", "--hidden", "16", "--work-dir", str(tmp_path / "w"),
+                    "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["eval_metric"] == "rocauc" and "test_acc" not in summary
+    assert 0.0 <= summary["test_rocauc"] <= 1.0 and 0.0 <= summary["valid_rocauc"] <= 1.0
 
 
 def test_resume_keeps_the_rocauc_best(sets, tmp_path):
@@ -160,10 +165,11 @@ def test_resume_keeps_the_rocauc_best(sets, tmp_path):
 
 
 def test_full_graph_inference_is_refused_for_multilabel(sets, tmp_path):
-    """worker-mode --infer (mfgserve-infer after training): refused before any layer runs."""
+    """worker-mode --infer (mfgserve-infer after training, which writes class predictions):
+    refused before any layer runs, naming --eval full (layer-wise ROC-AUC) instead."""
     parts = _set(sets["root"], 1, 6)
     proc = _worker(["--parts", str(parts), "--epochs", "1", "--fanouts", "5,5", "--hidden",
                     "16", "--infer", "--work-dir", str(tmp_path / "w"), "--no-progress"],
                    tmp_path)
     assert proc.returncode != 0
-    assert "ROC-AUC" in proc.stderr and "--eval sampled" in proc.stderr
+    assert "ROC-AUC" in proc.stderr and "--eval full" in proc.stderr

@@ -466,11 +466,12 @@ def _write_best(run: Run, fit: FitState) -> None:
 
 
 def _full_eval(run: Run) -> dict:
-    """``--eval full``: layer-wise full-neighbour inference over the graph (every rank)."""
+    """``--eval full``: layer-wise full-neighbour inference over the graph (every rank);
+    keys ``valid_<metric>`` / ``test_<metric>`` as sampled evaluation's."""
     return full_graph_eval(run.model, run.pool, run.info, run.splits,
                            batch_size=run.cfg.eval_batch_size, device=run.device,
                            rank=run.ddp.rank, world_size=run.ddp.world_size, progress=run.show,
-                           max_message_bytes=run.cfg.max_message_mb << 20)
+                           max_message_bytes=run.cfg.max_message_mb << 20, emb=run.emb)
 
 
 def _run_epoch(run: Run, fit: FitState, epoch: int) -> dict:
@@ -660,10 +661,6 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
                ring) -> Run:
     check_typed_run(cfg, info)  # typed sets: model, options (trainer_client/typed.py)
     task = task_of(info)
-    if task.binary and cfg.eval == "full":
-        raise ConfigError(
-            f"--eval full (layer-wise inference) measures accuracy, but dataset {info.dataset} "
-            f"has {task.num_tasks} binary tasks evaluated by ROC-AUC: use --eval sampled")
     spec = _model_spec(cfg, info, task)
     model = build_model(spec).to(device)
     # typed models: relations / node types without destinations or edges in a batch (and the

@@ -24,8 +24,9 @@ names none. From that:
   node of its part (the summary's ``node_embedding.bytes_per_server`` reports the measured
   figure). A set partitioned with ``--derive-features mean`` has every type featured: no
   embedding is needed, and ``--node-emb-dim`` is refused there.
-* ``--eval full`` (layer-wise inference) is refused for typed sets and models, naming
-  ``--eval sampled``.
+* ``--eval full`` (layer-wise inference, trainer_client/inference.py) runs typed sets and
+  models too: per layer every node type's nodes, featureless types' inputs from
+  :func:`typed_inputs` as here.
 """
 
 from __future__ import annotations
@@ -79,9 +80,6 @@ def check_typed_run(cfg: TrainerConfig, info) -> None:
             raise ConfigError(f"--rel-fanouts sets per-relation fanouts of typed partition "
                               f"sets; {info.dataset} is homogeneous: use --fanouts")
         return
-    if cfg.eval == "full":
-        raise ConfigError(f"--eval full (layer-wise inference) does not run typed graphs or "
-                          f"models (--model {name}) yet; use --eval sampled")
     if is_typed(info) and cfg.node_emb_dim > 0 and not featureless(info):
         raise ConfigError(
             f"--node-emb-dim {cfg.node_emb_dim}: every node type of {info.dataset} has "
