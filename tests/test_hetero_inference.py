@@ -7,7 +7,7 @@ the destination type's nodes, node types from ``node_type.npy``) and the model's
 ``forward`` over that one full-neighbour block per layer. Layer-wise inference through two
 servers (2 parts) must give the same predict-type logits, the same last hidden layer for
 every node type, and the same accuracy; on a multi-label (ogbn-proteins-shaped) set the same
-ROC-AUC. Worker-mode ``--eval full`` runs typed models (with server-held embeddings and with
+ROC-AUC (also with a server-held node embedding concatenated to the features). Worker-mode ``--eval full`` runs typed models (with server-held embeddings and with
 derived features) and multi-label sets end to end.
 """
 
@@ -226,27 +226,36 @@ def test_typed_layerwise_matches_full_graph_forward(sets, server_factory, tmp_pa
 
 
 # ---------------------------------------------------------------------------- multi-label
-def test_multilabel_full_graph_eval_is_the_full_graph_rocauc(sets, server_factory, tmp_path):
+@pytest.mark.parametrize("emb_dim", [0, 4])
+def test_multilabel_full_graph_eval_is_the_full_graph_rocauc(sets, server_factory, tmp_path,
+                                                             emb_dim):
+    """A homogeneous multi-label set: ROC-AUC of the full-graph output; with a server-held
+    node embedding (--node-emb-dim), its rows concatenated to the features as in training."""
     from trainer_client.inference import full_graph_eval
     from trainer_client.metrics import rocauc
     from trainer_client.models import build_model
+    from trainer_client.node_embedding import NodeEmbedding
 
     parts = sets["proteins"]
     g = WholeTypedGraph(parts)
     meta = g.meta
     assert meta.task_type == "binary"
     torch.manual_seed(0)
-    model = build_model({"name": "sage", "in_feats": meta.feat_dim, "hidden": 16,
+    model = build_model({"name": "sage", "in_feats": meta.feat_dim + emb_dim, "hidden": 16,
                          "num_classes": meta.num_tasks, "num_layers": 2, "dropout": 0.5})
-    model.eval()
-    with torch.no_grad():  # the whole graph, one block with every edge, the model's forward
-        ref = model([g.block.rels[("", "", "")]] * 2, g.feat)
     pool = _pool(_servers(server_factory, parts, tmp_path))
     try:
         info = pool.info()
+        emb = (NodeEmbedding(pool, "test-emb", info.num_nodes, emb_dim, lr=0.01, seed=3,
+                             node_offsets=info.node_offsets) if emb_dim else None)
+        x = g.feat if emb is None else torch.cat(
+            [g.feat, emb.tensor.read(torch.arange(info.num_nodes))], dim=1)
+        model.eval()
+        with torch.no_grad():  # the whole graph, one block with every edge, the model's forward
+            ref = model([g.block.rels[("", "", "")]] * 2, x)
         splits = {s: pool.seeds(s) for s in ("valid", "test")}
         got = full_graph_eval(model, pool, info, splits, batch_size=64, device="cpu", rank=0,
-                              world_size=1, progress=False)
+                              world_size=1, progress=False, emb=emb)
     finally:
         pool.close()
     assert set(got) == {"valid_rocauc", "test_rocauc"}
