@@ -3,12 +3,13 @@ and typed models, and on multi-label sets, through real sampler servers.
 
 The reference is computed in this process without the code under test: the partition files
 read back as one typed graph in global ids (every stored in-edge, per relation one CSC over
-the destination type's nodes, node types from ``node_type.npy``) and the model's own
-``forward`` over that one full-neighbour block per layer. Layer-wise inference through two
-servers (2 parts) must give the same predict-type logits, the same last hidden layer for
-every node type, and the same accuracy; on a multi-label (ogbn-proteins-shaped) set the same
-ROC-AUC (also with a server-held node embedding concatenated to the features). Worker-mode ``--eval full`` runs typed models (with server-held embeddings and with
-derived features) and multi-label sets end to end.
+the destination type's nodes, node types from ``node_type.npy``) and the model's layers, each
+over that one full-neighbour block. Layer-wise inference through two servers (2 parts) must
+give the same predict-type logits, the same last hidden layer for every node type, and the
+same accuracy; on a multi-label (ogbn-proteins-shaped) set the same ROC-AUC (also with a
+server-held node embedding concatenated to the features). Worker-mode ``--eval full`` runs
+typed models (with server-held embeddings and with derived features) and multi-label sets
+end to end.
 """
 
 from __future__ import annotations
