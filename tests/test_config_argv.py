@@ -53,9 +53,9 @@ TRAINER = TrainerConfig(
     model="gat", gat_heads=2, patience=3, lr_schedule="step", lr_step_epochs=4, lr_gamma=0.25,
     grad_clip=1.5, eval="full", checkpoint_dir="/ck", checkpoint_every=2, resume=True,
     deterministic_sampling=False, batch_locality="part")
-# --node-emb-dim cannot go with --eval full (full evaluation reads only the served features)
+# --node-emb-dim with sampled evaluation
 TRAINER_EMB = dataclasses.replace(TRAINER, eval="sampled", node_emb_dim=8, node_emb_lr=0.5)
-# issue 11: typed sets: the relational model and per-relation fanouts (--eval full refused)
+# issue 11: typed sets: the relational model and per-relation fanouts
 TRAINER_TYPED = dataclasses.replace(TRAINER, eval="sampled", model="rsage",
                                     rel_fanouts="writes=5:cites=-1/cites=0/rev_writes=2")
 DDP = DDPConfig(rank=2, world_size=4, local_rank=1, master_addr="10.0.0.9", master_port=29777,

@@ -591,12 +591,12 @@ def test_hetero_sage_spec_state_dict_and_homogeneous_case(tmp_path):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_hetero_sage_refused_where_typed_models_are():
+def test_hetero_sage_refused_by_mfgserve_infer_only():
+    """mfgserve-infer does not export typed models yet; training's --eval full runs them."""
     from common.config import TrainerConfig
     from trainer_client.inference import refuse_typed
 
     info = SimpleNamespace(dataset="d", ntypes=[])
     with pytest.raises(ConfigError, match=r"typed model \(hetero-sage\)"):
         refuse_typed("hetero-sage", info)
-    with pytest.raises(ConfigError, match="--eval sampled"):
-        TrainerConfig(cluster="/c", model="hetero-sage", eval="full").validate()
+    TrainerConfig(cluster="/c", model="hetero-sage", eval="full").validate()

@@ -405,9 +405,9 @@ class _Scores:
         if not self.binary:
             c = _all_sum(self.counts, world_size, device)
             return c[0] / max(c[1], 1), c[2] / max(c[3], 1)
-        from trainer_client.metrics import gather_rows, rocauc
+        from trainer_client.metrics import check_shared_score, gather_rows, rank0_rocauc
 
-        scores = []
+        scores, errors = [], []
         for split in ("valid", "test"):
             rows = self.rows[split]
             pred = (torch.cat([r[0] for r in rows]) if rows else torch.empty((0, width)))
@@ -415,9 +415,13 @@ class _Scores:
             pred = gather_rows(pred.to(device), world_size)
             label = gather_rows(label.to(device), world_size)
             empty = self.splits.get(split) is None or not self.splits[split].numel()
-            scores.append(rocauc(label.cpu().numpy(), pred.cpu().numpy())
-                          if rank == 0 and not empty else 0.0)
-        return tuple(_all_sum(scores, world_size, device, torch.float64))  # type: ignore
+            score, error = (rank0_rocauc(label.cpu().numpy(), pred.cpu().numpy(), rank)
+                            if not empty else (0.0, ""))
+            scores.append(score)
+            errors.append(error)
+        total = _all_sum(scores, world_size, device, torch.float64)
+        return tuple(check_shared_score(s, e, f"{split} ROC-AUC (layer-wise inference)")
+                     for s, e, split in zip(total, errors, ("valid", "test")))  # type: ignore
 
 
 class LayerwiseInference:

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from common.errors import MfgServeError
 
-__all__ = ["TASK_METRICS", "Task", "task_of", "rocauc", "loss_fn", "gather_rows"]
+__all__ = ["TASK_METRICS", "Task", "task_of", "rocauc", "rank0_rocauc", "check_shared_score",
+           "loss_fn", "gather_rows"]
 
 OGB_PROTEINS_TASKS = 112  # Evaluator('ogbn-proteins') checks for exactly this many
 
@@ -100,6 +101,29 @@ def rocauc(y_true: np.ndarray, y_pred: np.ndarray) -> float:
     except RuntimeError as e:
         raise MfgServeError(f"ROC-AUC over {y_true.shape[0]} nodes: {e} (every task lacks "
                             "a positive or a negative label in this split)") from e
+
+
+def rank0_rocauc(y_true, y_pred, rank: int) -> tuple[float, str]:
+    """For scoring a gathered split once (rank 0) and sharing the score with a sum over the
+    ranks: ``(rocauc, "")`` on rank 0, ``(0.0, "")`` elsewhere, and ``(nan, why)`` when rank 0
+    cannot score it, so that the NaN in the sum tells every rank to raise (:func:`
+    check_shared_score`) instead of rank 0 raising alone while the others wait in the
+    collective."""
+    if rank != 0:
+        return 0.0, ""
+    try:
+        return rocauc(y_true, y_pred), ""
+    except MfgServeError as e:
+        return float("nan"), str(e)
+
+
+def check_shared_score(score: float, error: str, what: str) -> float:
+    """``score`` (a sum of :func:`rank0_rocauc` values over the ranks), or the error: rank 0's
+    message, or on another rank one naming rank 0's failure."""
+    if score != score:  # NaN
+        raise MfgServeError(error or f"{what}: rank 0 could not compute the ROC-AUC (its log "
+                            "names why)")
+    return score
 
 
 def gather_rows(t: Tensor, world_size: int) -> Tensor:

@@ -61,7 +61,14 @@ from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, m
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.inference import full_graph_eval
 from trainer_client.loader import DistNodeDataLoader
-from trainer_client.metrics import Task, gather_rows, loss_fn, rocauc, task_of
+from trainer_client.metrics import (
+    Task,
+    check_shared_score,
+    gather_rows,
+    loss_fn,
+    rank0_rocauc,
+    task_of,
+)
 from trainer_client.models import build_model
 from trainer_client.node_embedding import NodeEmbedding
 from trainer_client.run_dir import (
@@ -372,8 +379,8 @@ def _evaluate_rocauc(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     label = torch.cat(labels).to(pred.device) if labels else torch.empty((0, t),
                                                                           device=run.device)
     pred, label = gather_rows(pred, run.ddp.world_size), gather_rows(label, run.ddp.world_size)
-    score = rocauc(label.cpu().numpy(), pred.cpu().numpy()) if run.ddp.rank == 0 else 0.0
-    return _all_sum([score], run.ddp, run.device)[0]
+    score, error = rank0_rocauc(label.cpu().numpy(), pred.cpu().numpy(), run.ddp.rank)
+    return check_shared_score(_all_sum([score], run.ddp, run.device)[0], error, desc)
 
 
 def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int) -> None:
