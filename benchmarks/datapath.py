@@ -62,7 +62,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from benchmarks.report import int_list
+from benchmarks.report import add_malloc_arg, apply_malloc, int_list
+from common.alloc import DEFAULT_RETAIN_MB
 
 STEP = "datapath"
 
@@ -152,8 +153,8 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
                      batch_size: int, num_batches: int, warmup: int = 3,
                      server_workers: int = 2, sampler_procs: int = 0, inflight: int = 4,
                      shm_ring: bool = True, seed: int = 0, num_threads: int | None = None,
-                     startup_timeout_s: float = 120.0, shutdown_timeout_s: float = 20.0
-                     ) -> dict:
+                     startup_timeout_s: float = 120.0, shutdown_timeout_s: float = 20.0,
+                     malloc_retain_mb: int = DEFAULT_RETAIN_MB) -> dict:
     """Start the servers as worker-mode does, pull ``warmup + num_batches`` batches through
     the trainer loader touching features and labels, stop the servers; figures of the last
     ``num_batches`` (see the module docstring)."""
@@ -172,7 +173,8 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
         parts=str(parts), servers_per_part=servers_per_part,
         startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
         server=ServerConfig(num_workers=server_workers, sampler_procs=sampler_procs,
-                            max_queue=max(64, inflight), seed=seed))
+                            max_queue=max(64, inflight), seed=seed,
+                            malloc_retain_mb=malloc_retain_mb))
     wcfg.validate()
     sock_dir = make_run_dir()
     group = ProcessGroup()
@@ -386,6 +388,7 @@ class Settings:
     seed: int
     num_threads: int | None
     shutdown_timeout_s: float = 20.0
+    malloc_retain_mb: int = DEFAULT_RETAIN_MB  # the servers'; the consumer's is its process's
 
     @classmethod
     def from_args(cls, args) -> Settings:
@@ -402,7 +405,8 @@ class Settings:
             shm_ring=bool(g(args, "shm_ring", True)),
             dgl_workers=list(g(args, "dgl_workers", [0, 1])),
             seed=int(g(args, "seed", 0) or 0), num_threads=g(args, "num_threads", None) or None,
-            shutdown_timeout_s=float(g(args, "shutdown_timeout_s", 20.0) or 20.0))
+            shutdown_timeout_s=float(g(args, "shutdown_timeout_s", 20.0) or 20.0),
+            malloc_retain_mb=int(g(args, "malloc_retain_mb", DEFAULT_RETAIN_MB)))
 
 
 def _best(rows: list[dict], key: str) -> float | None:
@@ -451,7 +455,7 @@ def measure(parts: str | Path, s: Settings, log=None) -> tuple[dict, dict]:
                 num_batches=s.num_batches, warmup=s.warmup, server_workers=s.server_workers,
                 sampler_procs=s.sampler_procs, inflight=s.inflight, shm_ring=s.shm_ring,
                 seed=s.seed, num_threads=s.num_threads,
-                shutdown_timeout_s=s.shutdown_timeout_s)
+                shutdown_timeout_s=s.shutdown_timeout_s, malloc_retain_mb=s.malloc_retain_mb)
             if not r["clean_exit"]:  # the figures stand; the unclean exit is an error
                 errors[name] = (f"servers did not exit cleanly: exit codes {r['exit_codes']}, "
                                 f"teardown {r['teardown']} after {r['teardown_s']} s (a "
@@ -535,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch threads of this (consumer) process; 0 keeps torch's default")
     p.add_argument("--out", help="also write the JSON summary to this file")
+    add_malloc_arg(p)
     return p
 
 
@@ -579,12 +584,14 @@ def main(argv: list[str] | None = None) -> int:
     _check(args)
     from benchmarks.report import logger
 
+    apply_malloc(args.malloc_retain_mb)
     s = Settings(fanouts=args.fanouts, batch_size=args.batch_size,
                  num_batches=args.num_batches, warmup=args.warmup, servers=args.servers,
                  server_workers=args.server_workers, sampler_procs=args.sampler_procs,
                  inflight=args.inflight, shm_ring=args.shm_ring, dgl_workers=args.dgl_workers,
                  seed=args.seed, num_threads=args.num_threads or None,
-                 shutdown_timeout_s=args.shutdown_timeout_s)
+                 shutdown_timeout_s=args.shutdown_timeout_s,
+                 malloc_retain_mb=args.malloc_retain_mb)
     results, errors = measure(args.parts, s, logger(STEP))
     summary = {"config": {**dataclasses.asdict(s), "parts": str(args.parts),
                           "cores": os.cpu_count()},

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.alloc import DEFAULT_RETAIN_MB, retain_freed_memory
 from common.dgl_compat import import_dgl
 from partition.layout import PartitionSetMeta, load_partition
 
@@ -285,6 +286,7 @@ def _ddp_child(cfg: dict) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dgl = import_dgl()
+    retain_freed_memory(cfg["malloc_retain_mb"], f"DGL DDP rank {cfg['rank']}")
     torch.set_num_threads(cfg["num_threads"])
     dgl.utils.set_num_threads(cfg["num_threads"])
     t0 = time.perf_counter()
@@ -337,7 +339,8 @@ def train_dgl_ddp(parts_dir: str | Path, fanouts: list[int], batch_size: int, ep
                   hidden: int = 256, nprocs: int = 2, num_workers: int = 0,
                   max_batches: int | None = None, seed: int = 0, dropout: float = 0.0,
                   lr: float = 3e-3, weight_decay: float = 5e-4,
-                  num_threads: int | None = None, timeout_s: float = 1800.0) -> dict:
+                  num_threads: int | None = None, timeout_s: float = 1800.0,
+                  malloc_retain_mb: int = DEFAULT_RETAIN_MB) -> dict:
     """DGL's multi-process training on one node: ``nprocs`` processes (subprocesses of this
     one, each loading the graph itself), DistributedDataParallel over gloo, each with
     DataLoader ``use_ddp=True`` (its 1/nprocs of the training seeds) and a batch of
@@ -366,7 +369,7 @@ def train_dgl_ddp(parts_dir: str | Path, fanouts: list[int], batch_size: int, ep
                        "epochs": epochs, "hidden": hidden, "num_workers": num_workers,
                        "max_batches": max_batches, "seed": seed, "dropout": dropout,
                        "lr": lr, "weight_decay": weight_decay, "num_threads": threads,
-                       "timeout_s": timeout_s}
+                       "timeout_s": timeout_s, "malloc_retain_mb": malloc_retain_mb}
                 with open(errs[r], "w") as err:
                     procs.append(subprocess.Popen(
                         [sys.executable, "-m", "benchmarks.dgl_pipeline", "--ddp-child",

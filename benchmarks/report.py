@@ -95,3 +95,25 @@ def ratio(num: float | None, den: float | None) -> float | None:
     if not num or not den:
         return None
     return round(num / den, 3)
+
+
+def add_malloc_arg(p: argparse.ArgumentParser) -> None:
+    """``--malloc-retain-mb``, one value for both sides of a comparison (see
+    :func:`apply_malloc`)."""
+    from common.alloc import DEFAULT_RETAIN_MB
+
+    p.add_argument("--malloc-retain-mb", type=int, default=DEFAULT_RETAIN_MB,
+                   help="glibc malloc retention (common/alloc.py) on BOTH sides: this "
+                        "process (DGL's pipeline, the step and data-path consumers), DGL's DDP "
+                        "processes and mfgserve's trainers and servers (--malloc-retain-mb, "
+                        f"--server-malloc-retain-mb); 0: the C library's defaults on both "
+                        f"(default {DEFAULT_RETAIN_MB}, mfgserve's default)")
+
+
+def apply_malloc(retain_mb: int) -> int:
+    """Apply ``--malloc-retain-mb`` to this process; the value in effect (0: none)."""
+    from common.alloc import retain_freed_memory
+
+    if not 0 <= retain_mb <= 2047:
+        raise SystemExit(f"--malloc-retain-mb must be in 0..2047, got {retain_mb}")
+    return retain_mb if retain_freed_memory(retain_mb, "benchmark process") else 0

@@ -50,6 +50,8 @@ from pathlib import Path
 
 from benchmarks.report import (
     REPO,
+    add_malloc_arg,
+    apply_malloc,
     command_line,
     emit_summary,
     int_list,
@@ -210,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker-mode's --work-dir: where its run directories go (default: "
                         "worker-mode's own, data/worker-mode)")
     p.add_argument("--out", help="also write the JSON summary to this file")
+    add_malloc_arg(p)
     return p
 
 
@@ -263,7 +266,9 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
             "--max-inflight", str(args.inflight), "--server-num-workers",
             str(args.server_workers), "--server-sampler-procs",
             str(args.worker_sampler_procs), "--no-progress",
-            "--shm-ring" if args.shm_ring else "--no-shm-ring"]
+            "--shm-ring" if args.shm_ring else "--no-shm-ring",
+            "--malloc-retain-mb", str(args.malloc_retain_mb),
+            "--server-malloc-retain-mb", str(args.malloc_retain_mb)]
     if args.num_threads:
         argv += ["--num-threads", str(args.num_threads)]
     if args.cache_ratio:
@@ -427,7 +432,7 @@ def measure_ddp(steps: Steps, family: str, parts: Path, args: argparse.Namespace
         parts, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden, nprocs=n,
         max_batches=args.max_batches, seed=args.seed, dropout=p, lr=LR,
         weight_decay=WEIGHT_DECAY, num_threads=args.num_threads,
-        timeout_s=args.worker_timeout_s))
+        timeout_s=args.worker_timeout_s, malloc_retain_mb=args.malloc_retain_mb))
     steps.run(family, f"worker_mode_t{n}_{dlabel(p)}", lambda: run_worker_mode(
         parts, args, p, num_trainers=n, batch_size=args.batch_size // n))
 
@@ -640,6 +645,7 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "sampler_procs": args.sampler_procs,
             "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring,
             "worker_timeout_s": args.worker_timeout_s,
+            "malloc_retain_mb": args.malloc_retain_mb,
             "dgl_warmup_batches": DGL_WARMUP_BATCHES,
             "synthetic_nodes": None if args.parts else args.synthetic_nodes,
             "hetero": {"papers": args.hetero_papers, "epochs": args.hetero_epochs,
@@ -673,6 +679,7 @@ def measure_family(steps: Steps, family: str, parts: Path, args: argparse.Namesp
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_malloc(args.malloc_retain_mb)  # DGL's side and the in-process steps; mfgserve's by flag
     warnings.filterwarnings("ignore", message=".*CPU affinity.*")
     t_start = time.perf_counter()
     machine = machine_info()

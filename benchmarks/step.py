@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.report import logger
+from benchmarks.report import add_malloc_arg, apply_malloc, logger
 
 log = logger("step")
 
@@ -186,11 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="add a torch.profiler table of one step per side, ROWS rows (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    add_malloc_arg(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_malloc(args.malloc_retain_mb)
     try:
         fanouts = [int(x) for x in args.fanouts.split(",") if x.strip()]
     except ValueError:

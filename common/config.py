@@ -16,6 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from common.alloc import DEFAULT_RETAIN_MB
 from common.configtools import Option as Option
 from common.configtools import add_config_args as add_config_args
 from common.configtools import from_argv as from_argv
@@ -90,6 +91,12 @@ class ServerConfig:
     replica_suspect_s: float = opt(
         30.0, "seconds a peer server that missed --peer-timeout-s (connection kept) is avoided "
         "while another replica of its part is up (common/replicas.py)")
+    malloc_retain_mb: int = opt(
+        DEFAULT_RETAIN_MB, "keep freed blocks up to N MiB in this process for reuse (glibc malloc's mmap and "
+        "trim thresholds) instead of returning them to the OS: every batch allocates and frees "
+        "the same large tensors, and fresh pages cost their zeroing and page faults each time "
+        "(a quarter of a CPU training step, docs/benchmarks.md). Costs resident memory up to "
+        "the batch's peak plus N MiB; 0: the C library's defaults")
     nice: int = opt(
         0, "raise this server's scheduling niceness by N (0-19; its sampler processes inherit "
         "it): where trainers share the cores (worker mode), their compute then goes first and "
@@ -98,6 +105,7 @@ class ServerConfig:
     def validate(self) -> None:
         if not 0 <= self.nice <= 19:
             raise ConfigError(f"--nice must be in 0..19, got {self.nice}")
+        _check_retain(self.malloc_retain_mb)
         if self.replica_suspect_s < 0:
             raise ConfigError(f"--replica-suspect-s must be >= 0, got {self.replica_suspect_s}")
         if not self.parts:
@@ -182,6 +190,12 @@ class TrainerConfig:
     num_threads: int = opt(
         0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
         "cores / trainers so co-located processes do not oversubscribe the CPU)")
+    malloc_retain_mb: int = opt(
+        DEFAULT_RETAIN_MB, "keep freed blocks up to N MiB in this process for reuse (glibc malloc's mmap and "
+        "trim thresholds) instead of returning them to the OS: every batch allocates and frees "
+        "the same large tensors, and fresh pages cost their zeroing and page faults each time "
+        "(a quarter of a CPU training step, docs/benchmarks.md). Costs resident memory up to "
+        "the batch's peak plus N MiB; 0: the C library's defaults")
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
     run_dir: str = opt(
@@ -277,6 +291,7 @@ class TrainerConfig:
                               f"{self.feat_transfer!r}")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
+        _check_retain(self.malloc_retain_mb)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.request_timeout_s <= 0:
@@ -479,6 +494,12 @@ def _check_heartbeat(interval: float, timeout: float) -> None:
     if interval < 0 or (interval > 0 and timeout < interval):
         raise ConfigError(f"need --heartbeat-s >= 0 and --heartbeat-timeout-s >= --heartbeat-s, "
                           f"got {interval} and {timeout}")
+
+
+def _check_retain(mb: int) -> None:
+    if not 0 <= mb <= 2047:
+        raise ConfigError(f"--malloc-retain-mb must be in 0..2047 (0: the C library's "
+                          f"defaults), got {mb}")
 
 
 def _check_endpoint(ep: str, flag: str) -> None:

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from common.alloc import retain_freed_memory
 from common.cli import run_main
 from common.config import ServerConfig, add_config_args, load_config
 from common.errors import ChildFailedError
@@ -49,6 +50,7 @@ def _serve(argv: list[str] | None) -> int:
     # Concurrency comes from --num-workers threads (and processes); keep each op serial
     # so co-located servers and trainers do not oversubscribe the cores.
     torch.set_num_threads(1)
+    retain_freed_memory(cfg.malloc_retain_mb, f"server part {cfg.part_id}")
     if cfg.nice:
         os.nice(cfg.nice)
     server = SamplerServer(cfg)

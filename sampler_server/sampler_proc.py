@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from common.alloc import retain_freed_memory
 from common.cluster import ClusterSpec
 from common.config import ServerConfig, add_config_args, load_config, to_argv
 from common.executors import run_worker_process
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(name)s[sampler {args.index}] %(message)s")
     torch.set_num_threads(1)
     cfg = load_config(ServerConfig, None, args)
+    retain_freed_memory(cfg.malloc_retain_mb, f"part {cfg.part_id} sampler process {args.index}")
     try:
         return run(cfg, args.backend, args.index)
     except KeyboardInterrupt:

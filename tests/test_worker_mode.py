@@ -100,6 +100,7 @@ def test_default_synthetic_dataset(tmp_path):
     summary = _summary(proc.stdout)
     assert summary["dataset"].startswith("synthetic") and summary["epochs"] == 3
     assert summary["test_acc"] > 0.3, summary  # 8 classes: well above chance (0.125)
+    assert summary["malloc_retain_mb"] == 256, summary  # the default took effect (glibc)
     _assert_clean(tmp_path, str(work))
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.alloc import retain_freed_memory
 from common.cluster import ClusterSpec
 from common.config import HETERO_MODEL_NAMES, InferConfig, TrainerConfig, to_dict
 from common.errors import ConfigError, MfgServeError
@@ -191,8 +192,14 @@ def make_ring(cfg: TrainerConfig, info, device: torch.device) -> ShmRing | None:
         return None
 
 
+_RETAINED_MB = 0  # --malloc-retain-mb as it took effect in this process (0: not at all)
+
+
 def _init_ddp(cfg: TrainerConfig, ddp: DDPSetup) -> torch.device:
+    global _RETAINED_MB
     torch.manual_seed(cfg.seed)
+    _RETAINED_MB = cfg.malloc_retain_mb if retain_freed_memory(
+        cfg.malloc_retain_mb, f"trainer rank {ddp.rank}") else 0
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg, ddp.local_rank)
@@ -766,6 +773,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "cache": _cache_summary(run),
         "device": str(device),
         "stages_s": stages,
+        "malloc_retain_mb": _RETAINED_MB,  # 0: the allocator's defaults (see common/alloc.py)
         "shm_ring": _ring_summary(run, ring),
         "node_embedding": ({"dim": cfg.node_emb_dim, "bytes_per_server": emb_bytes,
                             "ntypes": featureless(run.info)}  # typed: the types it feeds
