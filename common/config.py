@@ -36,6 +36,13 @@ HETERO_MODEL_NAMES = ("rsage", "hetero-sage")  # typed models (trainer_client.he
 TRAINER_MODELS = ("auto",) + MODEL_NAMES + HETERO_MODEL_NAMES
 LR_SCHEDULES = ("none", "step", "cosine")
 EVAL_MODES = ("sampled", "full")
+# --malloc-retain-mb of trainers and servers
+RETAIN_HELP = (
+    "keep freed blocks up to N MiB in this process for reuse (glibc malloc's mmap and trim "
+    "thresholds) instead of returning them to the OS: every batch allocates and frees the "
+    "same large tensors, and fresh pages cost their zeroing and page faults each time (a "
+    "quarter of a CPU training step, docs/benchmarks.md). Costs resident memory up to the "
+    "batch's peak plus N MiB; 0: the C library's defaults")
 
 
 @dataclass
@@ -91,12 +98,7 @@ class ServerConfig:
     replica_suspect_s: float = opt(
         30.0, "seconds a peer server that missed --peer-timeout-s (connection kept) is avoided "
         "while another replica of its part is up (common/replicas.py)")
-    malloc_retain_mb: int = opt(
-        DEFAULT_RETAIN_MB, "keep freed blocks up to N MiB in this process for reuse (glibc malloc's mmap and "
-        "trim thresholds) instead of returning them to the OS: every batch allocates and frees "
-        "the same large tensors, and fresh pages cost their zeroing and page faults each time "
-        "(a quarter of a CPU training step, docs/benchmarks.md). Costs resident memory up to "
-        "the batch's peak plus N MiB; 0: the C library's defaults")
+    malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
     nice: int = opt(
         0, "raise this server's scheduling niceness by N (0-19; its sampler processes inherit "
         "it): where trainers share the cores (worker mode), their compute then goes first and "
@@ -190,12 +192,7 @@ class TrainerConfig:
     num_threads: int = opt(
         0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
         "cores / trainers so co-located processes do not oversubscribe the CPU)")
-    malloc_retain_mb: int = opt(
-        DEFAULT_RETAIN_MB, "keep freed blocks up to N MiB in this process for reuse (glibc malloc's mmap and "
-        "trim thresholds) instead of returning them to the OS: every batch allocates and frees "
-        "the same large tensors, and fresh pages cost their zeroing and page faults each time "
-        "(a quarter of a CPU training step, docs/benchmarks.md). Costs resident memory up to "
-        "the batch's peak plus N MiB; 0: the C library's defaults")
+    malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
     run_dir: str = opt(
