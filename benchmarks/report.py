@@ -112,8 +112,11 @@ def add_malloc_arg(p: argparse.ArgumentParser) -> None:
 
 def apply_malloc(retain_mb: int) -> int:
     """Apply ``--malloc-retain-mb`` to this process; the value in effect (0: none)."""
-    from common.alloc import retain_freed_memory
+    from common.alloc import check_retain_mb, retain_freed_memory
+    from common.errors import ConfigError
 
-    if not 0 <= retain_mb <= 2047:
-        raise SystemExit(f"--malloc-retain-mb must be in 0..2047, got {retain_mb}")
+    try:
+        check_retain_mb(retain_mb)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     return retain_mb if retain_freed_memory(retain_mb, "benchmark process") else 0

@@ -17,23 +17,32 @@ Only glibc has ``mallopt``; elsewhere :func:`retain_freed_memory` does nothing a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+
+from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 DEFAULT_RETAIN_MB = 256
+MAX_RETAIN_MB = 2047  # mallopt takes an int of bytes
+
+
+def check_retain_mb(mb: int) -> None:
+    """ConfigError naming ``--malloc-retain-mb`` unless ``mb`` is in 0..MAX_RETAIN_MB."""
+    if not 0 <= mb <= MAX_RETAIN_MB:
+        raise ConfigError(f"--malloc-retain-mb must be in 0..{MAX_RETAIN_MB} (0: the C "
+                          f"library's defaults), got {mb}")
 
 
 def _libc():
-    name = ctypes.util.find_library("c")
+    """The process's own C library when it is glibc (the symbols already loaded), else None."""
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only  # noqa: B018
-        return libc if hasattr(libc, "mallopt") else None
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") \
+            else None
+    except OSError:
         return None
 
 
@@ -44,7 +53,7 @@ def retain_freed_memory(retain_mb: int, who: str = "this process") -> bool:
     if retain_mb <= 0:
         return False
     libc = _libc()
-    value = ctypes.c_int(min(retain_mb, 2047) << 20).value
+    value = min(retain_mb, MAX_RETAIN_MB) << 20
     ok = (libc is not None and libc.mallopt(M_MMAP_THRESHOLD, value) == 1
           and libc.mallopt(M_TRIM_THRESHOLD, value) == 1)
     if not ok:

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from common.alloc import DEFAULT_RETAIN_MB
+from common.alloc import DEFAULT_RETAIN_MB, check_retain_mb
 from common.configtools import Option as Option
 from common.configtools import add_config_args as add_config_args
 from common.configtools import from_argv as from_argv
@@ -107,7 +107,7 @@ class ServerConfig:
     def validate(self) -> None:
         if not 0 <= self.nice <= 19:
             raise ConfigError(f"--nice must be in 0..19, got {self.nice}")
-        _check_retain(self.malloc_retain_mb)
+        check_retain_mb(self.malloc_retain_mb)
         if self.replica_suspect_s < 0:
             raise ConfigError(f"--replica-suspect-s must be >= 0, got {self.replica_suspect_s}")
         if not self.parts:
@@ -288,7 +288,7 @@ class TrainerConfig:
                               f"{self.feat_transfer!r}")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
-        _check_retain(self.malloc_retain_mb)
+        check_retain_mb(self.malloc_retain_mb)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.request_timeout_s <= 0:
@@ -491,12 +491,6 @@ def _check_heartbeat(interval: float, timeout: float) -> None:
     if interval < 0 or (interval > 0 and timeout < interval):
         raise ConfigError(f"need --heartbeat-s >= 0 and --heartbeat-timeout-s >= --heartbeat-s, "
                           f"got {interval} and {timeout}")
-
-
-def _check_retain(mb: int) -> None:
-    if not 0 <= mb <= 2047:
-        raise ConfigError(f"--malloc-retain-mb must be in 0..2047 (0: the C library's "
-                          f"defaults), got {mb}")
 
 
 def _check_endpoint(ep: str, flag: str) -> None:
