@@ -29,5 +29,8 @@ if ! "$VPY" -c "import common.dgl_compat, zmq, msgpack, ogb, matplotlib, pytest_
   echo "install: installing mfgserve and its dependencies into $VENV" >&2
   "$VPY" -m pip install -q -e ".[test]"
 fi
+# the native kernels (common/native.c) are built once per machine; without a C compiler the
+# numpy paths run instead, slower, and this says why
+"$VPY" -m common.native || echo "install: continuing without native kernels" >&2
 "$VPY" -c "from common.dgl_compat import import_dgl; import torch; d = import_dgl(); \
 print(f'install: ok (torch {torch.__version__}, dgl {d.__version__})')" >&2

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from common import native
 from common.alloc import retain_freed_memory
 from common.cli import run_main
 from common.config import ServerConfig, add_config_args, load_config
@@ -64,7 +65,8 @@ def _serve(argv: list[str] | None) -> int:
     print(dumps_strict({"event": "serving", "endpoint": server.endpoint, "part_id": cfg.part_id,
                         "num_parts": m.num_parts,
                         "part_nodes": server.store.end - server.store.start,
-                        "dataset": m.dataset}), file=sys.stderr, flush=True)
+                        "dataset": m.dataset, "native": native.status()}),
+          file=sys.stderr, flush=True)
     server.serve_forever()
     if server.fatal:
         raise ChildFailedError(str(server.fatal))

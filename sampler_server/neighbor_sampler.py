@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common import native
 from common.errors import BadRequestError
 from common.messages import derive_seed
 from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
@@ -61,35 +62,64 @@ class Timings:
 
 def relabel(dst: Tensor, src: Tensor, scratch: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
     """Compact ids: returns ``(nodes, src_local)`` where ``nodes`` lists ``dst`` first (in
-    order, assumed unique) followed by the other ids of ``src`` (sorted, each once), and
-    ``src_local[i]`` is the position of ``src[i]`` in ``nodes``.
+    order, assumed unique) followed by the other ids of ``src``, each once, in the order of
+    their first appearance in ``src`` (DGL's ``to_block`` order), and ``src_local[i]`` is the
+    position of ``src[i]`` in ``nodes``.
 
     ``scratch`` (:func:`new_scratch`: int32, one slot per global node, all -1) makes this O(len)
-    with no hashing or full sort; it is returned all -1 again. Without it, a sort-based version
-    is used. The scratch version runs in numpy: its fancy indexing is several times faster than
-    torch's for these scattered reads and writes, and int32 halves the memory they touch.
+    with no hashing or sort; it is returned all -1 again. With it, one pass of the native
+    kernel (common/native.c, GIL released) does the work; where that is not loaded, the same
+    result comes from numpy passes (fancy indexing several times faster than torch's for
+    these scattered reads and writes; int32 halves the memory they touch). Without a scratch,
+    a sort-based version gives the same result too.
     """
     if scratch is None:
-        new = torch.unique(src[~torch.isin(src, dst)])
-        nodes = torch.cat([dst, new])
-        uniq, inv = torch.unique(nodes, return_inverse=True)
-        pos = torch.empty_like(inv)
-        pos[inv] = torch.arange(nodes.numel())
-        return nodes, pos[torch.searchsorted(uniq, src)]
+        return _relabel_sorting(dst, src)
+    lib = native.load()
+    if lib is None:
+        return _relabel_numpy(dst, src, scratch)
+    nd, ns = dst.numel(), src.numel()
+    dst, src = dst.long().contiguous(), src.long().contiguous()
+    nodes = torch.empty(nd + ns, dtype=torch.int64)
+    nodes[:nd] = dst
+    src_local = torch.empty(ns, dtype=torch.int64)
+    nn = lib.mfg_relabel(dst.data_ptr(), nd, src.data_ptr(), ns, scratch.size,
+                         scratch.ctypes.data, nodes.data_ptr() + 8 * nd, src_local.data_ptr())
+    if nn < 0:
+        raise ValueError(f"relabel: an id is outside [0, {scratch.size}) (the scratch's "
+                         "node count)")
+    return nodes[:nd + nn], src_local
+
+
+def _relabel_numpy(dst: Tensor, src: Tensor, scratch: np.ndarray) -> tuple[Tensor, Tensor]:
+    """:func:`relabel` in numpy passes over the same scratch."""
     d, s = dst.numpy(), src.numpy()
     nd = d.size
     scratch[d] = np.arange(nd, dtype=np.int32)
     cand = s[scratch[s] < 0]
-    # Any one write per repeated id wins; exactly one position per distinct id then reads
-    # back its own index, which picks each distinct new id once.
+    # Written in reverse, each repeated id keeps its first occurrence's slot (numpy assigns
+    # in index order, the last write wins); exactly the first occurrence of each distinct new
+    # id then reads back its own slot, in order of appearance.
     slots = np.arange(cand.size, dtype=np.int32)
-    scratch[cand] = slots
-    new = np.sort(cand[scratch[cand] == slots])  # sorted: gathers read memory in order
+    scratch[cand[::-1]] = slots[::-1]
+    new = cand[scratch[cand] == slots]
     scratch[new] = np.arange(nd, nd + new.size, dtype=np.int32)
     src_local = scratch[s].astype(np.int64)
     scratch[d] = -1
     scratch[new] = -1
     return torch.cat([dst, torch.from_numpy(new)]), torch.from_numpy(src_local)
+
+
+def _relabel_sorting(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`relabel` by sorting, with no scratch (the reference for the other two)."""
+    uniq, inv = torch.unique(src, return_inverse=True)
+    first = torch.full((uniq.numel(),), src.numel(), dtype=torch.int64).scatter_reduce_(
+        0, inv, torch.arange(src.numel()), "amin")
+    fresh = ~torch.isin(uniq, dst)
+    new = uniq[fresh][torch.argsort(first[fresh])]
+    nodes = torch.cat([dst, new])
+    order = torch.argsort(nodes)
+    return nodes, order[torch.searchsorted(nodes[order], src)]
 
 
 def new_scratch(num_nodes: int) -> np.ndarray:

@@ -105,10 +105,23 @@ def mixed_seeds(parts: Path, count: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(rng.permutation(np.concatenate(picks)).astype(np.int64))
 
 
-@pytest.mark.parametrize("num_parts,halo", [(1, False), (2, False), (4, False), (2, True)])
-def test_mfg_matches_graph(num_parts, halo, request, server_factory, synth_graph, tmp_path):
+@pytest.mark.parametrize("num_parts,halo,kernels", [
+    (1, False, "native"), (2, False, "native"), (4, False, "native"), (2, True, "native"),
+    (2, True, "numpy")])
+def test_mfg_matches_graph(num_parts, halo, kernels, request, server_factory, synth_graph,
+                           tmp_path, monkeypatch):
+    """``kernels``: the servers' relabel in the native kernel (common/native.c, the default
+    where a C compiler is present) or in numpy (MFGSERVE_NATIVE=0, as without one); each
+    server's ``serving`` line says which."""
     parts = request.getfixturevalue(f"synth_parts{num_parts}" + ("_halo" if halo else ""))
-    cluster = start_cluster(server_factory, parts, tmp_path, num_parts)
+    if kernels == "numpy":
+        monkeypatch.setenv("MFGSERVE_NATIVE", "0")
+    servers = []
+    cluster = start_cluster(lambda *a, **k: servers.append(server_factory(*a, **k)), parts,
+                            tmp_path, num_parts)
+    want = '"native": "loaded"' if kernels == "native" else "MFGSERVE_NATIVE=0"
+    for s in servers:
+        assert want in s.log.read_text(), s.log.read_text()[-2000:]
     oracle = Oracle(synth_graph, parts)
     remote: dict[bool, float] = {}
     ctx = zmq.Context()

@@ -1,16 +1,29 @@
-"""relabel(): destination nodes first, every other source once, positions consistent; the
-O(n) scratch version agrees with the sort-based one and leaves its buffer clean."""
+"""relabel(): destination nodes first, every other source once in order of first appearance,
+positions consistent; the native kernel, the numpy passes and the sort-based reference agree
+and leave the scratch buffer clean."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common import native
+from sampler_server import neighbor_sampler as ns
 from sampler_server.neighbor_sampler import new_scratch, relabel
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def _first_appearance(dst: list[int], src: list[int]) -> list[int]:
+    seen, out = set(dst), []
+    for v in src:
+        if v not in seen:
+            seen.add(v)
+            out.append(v)
+    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -24,9 +37,37 @@ def test_relabel_invariants(data):
     scratch = new_scratch(n)
     nodes, local = relabel(dst, src, scratch)
     assert torch.equal(nodes[: dst.numel()], dst)
-    assert torch.unique(nodes).numel() == nodes.numel()
-    assert set(nodes.tolist()) == set(dst.tolist()) | set(src.tolist())
+    assert nodes[dst.numel():].tolist() == _first_appearance(dst.tolist(), src.tolist())
     assert torch.equal(nodes[local], src)
     assert bool((scratch == -1).all())
-    ref_nodes, ref_local = relabel(dst, src)
-    assert torch.equal(nodes, ref_nodes) and torch.equal(local, ref_local)
+    for other in (ns._relabel_numpy(dst, src, scratch), relabel(dst, src)):
+        assert torch.equal(nodes, other[0]) and torch.equal(local, other[1])
+        assert bool((scratch == -1).all())
+
+
+def test_native_relabel_is_used_and_matches_numpy_on_a_large_hop():
+    """On this machine (a C compiler present) the native kernel is loaded; on a hop of the
+    size a sampler sees (10^5 sources over 10^5 nodes, many repeats) it equals the numpy
+    passes exactly."""
+    assert native.load() is not None, native.status()
+    rng = np.random.default_rng(0)
+    n = 200_000
+    dst = torch.from_numpy(rng.choice(n, 20_000, replace=False))
+    src = torch.from_numpy(rng.integers(0, n, 300_000))
+    scratch = new_scratch(n)
+    a = relabel(dst, src, scratch)
+    b = ns._relabel_numpy(dst, src, scratch)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert bool((scratch == -1).all())
+
+
+@pytest.mark.parametrize("bad", [[-1], [10]])
+def test_native_relabel_rejects_an_id_outside_the_scratch(bad):
+    if native.load() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    scratch = new_scratch(10)
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        relabel(torch.tensor([1, 2]), torch.tensor([3, *bad]), scratch)
+    with pytest.raises(ValueError, match="outside"):
+        relabel(torch.tensor(bad), torch.tensor([3]), scratch)
+    assert bool((scratch == -1).all())
