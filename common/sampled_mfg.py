@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from common.limits import MAX_LAYERS
-from common.structs import Struct, check_ids, need
+from common.structs import Struct, check_ids, id_bounds, need, rises
 
 FEAT_NONE, FEAT_FRAMES, FEAT_RING = "none", "frames", "ring"
 FEAT_VIA = (FEAT_NONE, FEAT_FRAMES, FEAT_RING)
@@ -144,7 +144,7 @@ class Relation(Struct):
         need(ip.dtype == torch.int64 and ip.dim() == 1 and ip.numel() >= 1, "bad_mfg",
              "indptr must be 1-D int64 with at least one entry")
         need(ix.dtype == torch.int64 and ix.dim() == 1, "bad_mfg", "indices must be 1-D int64")
-        need(int(ip[0]) == 0 and int(ip[-1]) == ix.numel() and bool((ip[1:] >= ip[:-1]).all()),
+        need(int(ip[0]) == 0 and int(ip[-1]) == ix.numel() and rises(ip),
              "bad_mfg", "indptr must rise from 0 to len(indices)")
         need(self.src_type >= 0 and self.dst_type >= 0, "bad_mfg", "node types must be >= 0")
 
@@ -175,8 +175,8 @@ class Layer(Struct):
             need(r.indptr.numel() == self.num_dst[r.dst_type] + 1, "bad_mfg",
                  "indptr must have num_dst + 1 entries")
             if r.indices.numel():
-                need(int(r.indices.min()) >= 0
-                     and int(r.indices.max()) < self.num_src[r.src_type], "bad_mfg",
+                lo, hi = id_bounds(r.indices)
+                need(lo >= 0 and hi < self.num_src[r.src_type], "bad_mfg",
                      "indices outside [0, num_src)")
 
 
