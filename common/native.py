@@ -101,6 +101,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mfg_relabel.restype = i64
     lib.mfg_relabel.argtypes = [p, i64, p, i64, i64, p, p, p]
+    lib.mfg_sorted_picks.restype = i64
+    lib.mfg_sorted_picks.argtypes = [p, p, i64, i64, p, p]
+    lib.mfg_floyd.restype = None
+    lib.mfg_floyd.argtypes = [p, p, p, i64, i64, p]
+    lib.mfg_row_runs.restype = i64
+    lib.mfg_row_runs.argtypes = [p, i64, p, i64, p, p]
+    lib.mfg_gather_rows.restype = i64
+    lib.mfg_gather_rows.argtypes = [p, p, i64, i64, p, i64, p, i64, ctypes.c_int32, p]
     return lib
 
 

@@ -41,12 +41,15 @@ by one cumulative sum (no ``np.repeat``); the sources are then read by one
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from common import native
 
 # Build the position matrix when at least this share of its rows x fanout cells are edges;
 # below it (many rows under the fanout: skewed degrees) build runs and scatter the picks.
@@ -91,12 +94,27 @@ def _rows_with_repeats(picks: np.ndarray) -> np.ndarray:
     return np.flatnonzero(any_eq)
 
 
-def choose_positions(deg: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+def choose_positions(deg: np.ndarray, k: int, rng: np.random.Generator,
+                     lib: ctypes.CDLL | None = None) -> np.ndarray:
     """``k`` distinct positions in ``[0, deg[r])`` for each row r (every deg > k), each set
-    equally likely; shape (rows, k), int32 (int64 for degrees >= 2^31 - 1). Draws with replacement first (cheap, and rarely
-    repeats when the degree is much larger than k); rows that repeated are drawn again with
-    Floyd (their positions then in Floyd's order, not sorted)."""
+    equally likely; shape (rows, k), int32 (int64 for degrees >= 2^31 - 1). Draws with
+    replacement first (cheap, and rarely repeats when the degree is much larger than k); rows
+    that repeated are drawn again with Floyd (their positions then in Floyd's order, not
+    sorted). With ``lib`` (common/native.py) one C pass scales, sorts and finds the repeats,
+    and a second runs Floyd on those rows: the same picks from the same draws as the numpy
+    passes."""
     r = rng.random((deg.size, k))
+    if lib is not None and _pos_dtype(deg) is np.int32:
+        d = np.ascontiguousarray(deg, dtype=np.int64)
+        picks = np.empty((deg.size, k), dtype=np.int32)
+        redo = np.empty(deg.size, dtype=np.int64)
+        nr = lib.mfg_sorted_picks(r.ctypes.data, d.ctypes.data, deg.size, k,
+                                  picks.ctypes.data, redo.ctypes.data)
+        if nr:
+            u = rng.random((k, nr))  # held: ctypes gets only its address
+            lib.mfg_floyd(u.ctypes.data, d.ctypes.data, redo.ctypes.data, nr, k,
+                          picks.ctypes.data)
+        return picks
     np.multiply(r, deg[:, None], out=r)
     picks = r.astype(_pos_dtype(deg))
     picks.sort(axis=1)
@@ -132,6 +150,15 @@ def sample_csc(indptr: np.ndarray, indices: np.ndarray, local: Tensor, fanout: i
     are the in-neighbours of v): min(in-degree, fanout) distinct in-neighbours each (-1: all),
     concatenated in the order of ``local``; the same for the same ``seed``."""
     rows = local.numpy()
+    lib = native.load()
+    ip = np.asarray(indptr)
+    if lib is not None and ip.dtype == np.int64 and ip.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        start, deg = np.empty(rows.size, dtype=np.int64), np.empty(rows.size, dtype=np.int64)
+        if lib.mfg_row_runs(ip.ctypes.data, ip.size - 1, rows.ctypes.data, rows.size,
+                            start.ctypes.data, deg.ctypes.data) < 0:
+            raise IndexError(f"seeded sampling: a row outside the CSC's {ip.size - 1} rows")
+        return sample_runs(start, deg, indices, fanout, seed)
     start = indptr[rows]
     return sample_runs(start, indptr[rows + 1] - start, indices, fanout, seed)
 
@@ -148,6 +175,12 @@ def sample_runs(start: np.ndarray, deg: np.ndarray, indices: np.ndarray, fanout:
     total = int(counts.sum())
     big = (np.flatnonzero(deg > fanout) if fanout > 0 and total
            else np.zeros(0, dtype=np.int64))
+    lib = native.load()
+    ix = np.asarray(indices)
+    if (lib is not None and total and ix.dtype in (np.int32, np.int64)
+            and ix.flags.c_contiguous and _pos_dtype(deg) is np.int32):
+        src = _gather_native(lib, start, deg, ix, fanout, big, total, seed)
+        return torch.from_numpy(np.asarray(counts, dtype=np.int64)), src
     if total == 0:
         pos = np.zeros(0, dtype=np.int64)
     elif big.size and total >= _MATRIX_MIN_FILL * start.size * fanout:
@@ -169,7 +202,28 @@ def sample_runs(start: np.ndarray, deg: np.ndarray, indices: np.ndarray, fanout:
             row_out = np.cumsum(counts) - counts  # where each row's sources begin
             at = (row_out[big, None] + np.arange(fanout)).ravel()
             pos[at] = (start[big, None] + picks).ravel()
-    src = _index_tensor(np.asarray(indices)).index_select(0, torch.from_numpy(pos))
+    src = _index_tensor(ix).index_select(0, torch.from_numpy(pos))
     if src.dtype != torch.int64:
         src = src.long()
     return torch.from_numpy(np.asarray(counts, dtype=np.int64)), src
+
+
+def _gather_native(lib: ctypes.CDLL, start: np.ndarray, deg: np.ndarray, ix: np.ndarray,
+                   fanout: int, big: np.ndarray, total: int, seed: int) -> Tensor:
+    """:func:`sample_runs`'s sources by the C kernel: the picks of the rows above the fanout
+    (:func:`choose_positions`, the same draws), then one pass that reads every row's sources
+    (no position arrays); identical to the numpy path's output."""
+    start = np.ascontiguousarray(start, dtype=np.int64)
+    deg = np.ascontiguousarray(deg, dtype=np.int64)
+    if big.size:
+        picks = choose_positions(deg[big], fanout, np.random.default_rng(seed), lib)
+    else:
+        picks = np.zeros((0, max(fanout, 1)), dtype=np.int32)
+    src = torch.empty(total, dtype=torch.int64)
+    got = lib.mfg_gather_rows(start.ctypes.data, deg.ctypes.data, start.size, fanout,
+                              picks.ctypes.data, big.size, ix.ctypes.data, ix.size,
+                              int(ix.dtype == np.int64), src.data_ptr())
+    if got != total:
+        raise ValueError(f"seeded sampling: a run outside the {ix.size} CSC indices or a "
+                         f"pick outside its row (kernel returned {got}, expected {total})")
+    return src

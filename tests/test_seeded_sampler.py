@@ -1,7 +1,8 @@
 """sampler_server/seeded_sampler.py: a pure function of (graph, rows, fanout, seed), valid
 (existing edges, distinct per destination, min(deg, fanout) each, all when deg <= fanout),
 uniform, and the same output as the module's first version (kept below as the reference), so
-MFGs sampled before its speed-up repeat exactly after it (checkpoint / resume)."""
+MFGs sampled before its speed-up repeat exactly after it (checkpoint / resume); the native
+kernels (common/native.c) and the numpy passes give that same output."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from sampler_server.seeded_sampler import choose_positions, sample_csc
+from common import native
+from sampler_server import seeded_sampler
+from sampler_server.seeded_sampler import choose_positions, sample_csc, sample_runs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,9 +118,20 @@ def _check_valid(indptr, indices, local, fanout, counts, src):
 
 # --- tests ------------------------------------------------------------------------------------
 
+@pytest.fixture(params=["native", "numpy"])
+def kernel(request, monkeypatch):
+    """Run the test with the native kernels (built on this machine: a C compiler is part of
+    the install) or with them switched off (the numpy passes)."""
+    if request.param == "native":
+        assert native.load() is not None, native.status()
+    else:
+        monkeypatch.setattr(seeded_sampler.native, "load", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("graph", ["mixed", "skewed"])
 @pytest.mark.parametrize("fanout", [-1, 0, 1, 2, 5, 10, 15, 25])
-def test_valid_and_same_as_reference(request, graph, fanout):
+def test_valid_and_same_as_reference(request, graph, fanout, kernel):
     indptr, indices = request.getfixturevalue(graph)
     n = indptr.size - 1
     deg = np.diff(indptr)
@@ -149,7 +163,7 @@ def test_empty_rows_and_bad_fanout(mixed):
         sample_csc(indptr, indices, torch.arange(3), -2, 1)
 
 
-def test_read_only_memmap_no_warning_and_threads_agree(mixed, tmp_path):
+def test_read_only_memmap_no_warning_and_threads_agree(mixed, tmp_path, kernel):
     """The server's CSC is a read-only memory map; sampler threads give the same samples."""
     indptr, indices = mixed
     np.save(tmp_path / "indptr.npy", indptr)
@@ -209,3 +223,39 @@ def test_positions_and_pairs_uniform(deg, k):
     pair = (inc.T @ inc) / n
     off = pair[~np.eye(deg, dtype=bool)]
     assert np.abs(off - k * (k - 1) / (deg * (deg - 1))).max() < 0.021
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 15, 40])
+def test_native_picks_equal_numpy_picks(k):
+    """The C pass (scale, sort, find repeats) gives exactly the numpy passes' picks, Floyd's
+    redrawn rows included (degrees just above k repeat often)."""
+    lib = native.load()
+    assert lib is not None, native.status()
+    rng = np.random.default_rng(k)
+    deg = np.concatenate([np.full(3000, k + 1), rng.integers(k + 1, 4 * k + 2, 3000),
+                          rng.integers(k + 1, 10**6, 3000)]).astype(np.int64)
+    a = choose_positions(deg, k, np.random.default_rng(5), lib)
+    b = choose_positions(deg, k, np.random.default_rng(5))
+    assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_native_gather_int32_indices_and_bad_runs(mixed, dtype):
+    """int32 CSC indices give the same int64 sources; a run past the end of the indices, or
+    a row past the end of the indptr, is an error naming it, not a read out of bounds."""
+    assert native.load() is not None, native.status()
+    indptr, indices = mixed
+    local = _rows(indptr.size - 1, 900, 4).numpy()
+    start = indptr[local]
+    deg = indptr[local + 1] - start
+    ix = indices.astype(dtype)
+    c, s = sample_runs(start, deg, ix, 10, 3)
+    rc, rs = _ref_sample_csc(indptr, indices, torch.from_numpy(local), 10, 3)
+    assert torch.equal(c, rc) and torch.equal(s, rs)
+    bad = start.copy()
+    bad[7] = indices.size - 1  # this row's run now runs past the end
+    deg[7] = max(int(deg[7]), 2)
+    with pytest.raises(ValueError, match="outside"):
+        sample_runs(bad, deg, ix, 10, 3)
+    with pytest.raises(IndexError, match="outside the CSC"):
+        sample_csc(indptr, ix, torch.tensor([0, indptr.size - 1]), 10, 3)
