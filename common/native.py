@@ -1,10 +1,13 @@
 """mfgserve's native kernels (common/native.c): built once per machine with the C compiler,
 loaded with ctypes.
 
-Why: the per-batch bookkeeping of a sampler (relabelling a hop's sampled sources, ~10^5-10^6
-ids) is a handful of scattered reads and writes per id. numpy does each as its own pass over
-memory, with the GIL held between passes; one C loop does them all in a single pass with the
-GIL released (measured in docs/benchmarks.md, "Native relabel").
+Why: the per-batch work of a sampler (a seeded hop's draws turned into sources, relabelling
+a hop's sampled sources: ~10^5-10^6 ids) is a handful of scattered reads and writes per id.
+numpy does each as its own pass over memory, with the GIL held between passes; one C loop
+does them all in a single pass with the GIL released, fetching the next rows' memory ahead
+(measured in docs/benchmarks.md, "Native relabel" and "session 21"). Kernels:
+``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_row_runs``, ``mfg_sorted_picks``,
+``mfg_floyd`` and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py).
 
 Build: the first use compiles ``native.c`` with ``$CC`` (else the compiler Python was built
 with, else ``cc``) into ``$MFGSERVE_NATIVE_DIR`` (default ``~/.cache/mfgserve``; a private

@@ -25,7 +25,15 @@ own seed (:func:`common.messages.derive_seed` of the sample seed, hop, part), so
 that owns a remote part samples it exactly as the requesting server's copy would.
 
 How it is kept fast (the same draws and the same output as the first, plainer version of
-this module, checked by tests/test_seeded_sampler.py against a copy of it): every step is
+this module, checked by tests/test_seeded_sampler.py against a copy of it). Where the native
+kernels are loaded (common/native.py; the default after ``deploy/install.sh``), the draws
+still come from the numpy generator (two fills: the with-replacement picks, then Floyd's
+uniforms for the rows that repeated) and everything else is a C pass with the GIL released:
+the rows' runs from the indptr, scaling + per-row insertion sort + repeat test, Floyd on the
+repeated rows, and one pass that writes every row's sources (its picks, or its whole run)
+straight from the CSC indices, the next rows' memory fetched ahead (each row is a cache miss;
+measured in docs/benchmarks.md, "session 21"). Otherwise (no compiler, ``MFGSERVE_NATIVE=0``,
+degrees >= 2^31 - 1, indices neither int32 nor int64), every step is
 one numpy/torch call over a whole hop's arrays (no Python loop over rows or edges; numpy's
 loops, sorts, fancy indexing and the generator's fills run without the GIL, as does torch's
 ``index_select``), so a sampler thread holds the GIL only between calls. Positions are int32
