@@ -154,10 +154,13 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
                      server_workers: int = 2, sampler_procs: int = 0, inflight: int = 4,
                      shm_ring: bool = True, seed: int = 0, num_threads: int | None = None,
                      startup_timeout_s: float = 120.0, shutdown_timeout_s: float = 20.0,
-                     malloc_retain_mb: int = DEFAULT_RETAIN_MB) -> dict:
+                     malloc_retain_mb: int = DEFAULT_RETAIN_MB,
+                     cache_ratio: float = 0.0) -> dict:
     """Start the servers as worker-mode does, pull ``warmup + num_batches`` batches through
     the trainer loader touching features and labels, stop the servers; figures of the last
-    ``num_batches`` (see the module docstring)."""
+    ``num_batches`` (see the module docstring). ``cache_ratio`` > 0: the trainer's feature
+    cache (``--cache-ratio``) holds that share of each part's hottest nodes, the servers
+    leave those rows out and the loader fills them in (trainer CPU, in ``consumer_cpu_s``)."""
     import zmq
 
     from common.config import ServerConfig, TrainerConfig, WorkerModeConfig
@@ -165,6 +168,7 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
     from deploy.server_group import shutdown_servers
     from deploy.worker_mode import start_servers
     from partition.layout import PartitionSetMeta
+    from trainer_client.feature_cache import FeatureCache
     from trainer_client.loader import DistNodeDataLoader
     from trainer_client.train import make_pool, make_ring
 
@@ -202,10 +206,12 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
         seeds = pool.seeds("train")
         if seeds.numel() == 0:
             raise DataPathError(f"{parts} has no training seeds")
+        cache = (FeatureCache.fill(pool, info.num_parts, info.num_nodes, cache_ratio, "",
+                                   torch.device("cpu")) if cache_ratio > 0 else None)
         loader = DistNodeDataLoader(
             pool, seeds, info.node_offsets, fanouts=list(fanouts), batch_size=batch_size,
             shuffle=True, seed=seed, max_inflight=inflight, device="cpu", ring=ring,
-            deterministic=tcfg.deterministic_sampling)
+            deterministic=tcfg.deterministic_sampling, cache=cache, cache_ratio=cache_ratio)
         with _torch_threads(num_threads):
             got = _consume_mfgserve(loader, num_batches, warmup,
                                     lambda: (_cpu_seconds(server_procs), _own_cpu(),
@@ -221,6 +227,12 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
             "side": "mfgserve", "servers": len(servers), "parts": meta.num_parts,
             "servers_per_part": servers_per_part, "server_workers": server_workers,
             "sampler_procs": sampler_procs, "inflight": inflight, "shm_ring": ring is not None,
+            "cache_ratio": cache_ratio,
+            "cached_nodes": cache.num_cached if cache is not None else 0,
+            # over every batch the loader decoded (warm-up included): rows filled in from it
+            "cache_rows_per_batch": round(
+                (cache.rows_served if cache is not None else 0) / max(loader.stats.batches, 1),
+                1),
             **_throughput(got, num_batches),
             "configured_sampler_cores": configured,
             "server_cpu_s": round(server_cpu, 3),
@@ -389,6 +401,7 @@ class Settings:
     num_threads: int | None
     shutdown_timeout_s: float = 20.0
     malloc_retain_mb: int = DEFAULT_RETAIN_MB  # the servers'; the consumer's is its process's
+    cache_ratio: float = 0.0  # > 0: one more 1-server row with the trainer's feature cache
 
     @classmethod
     def from_args(cls, args) -> Settings:
@@ -406,7 +419,8 @@ class Settings:
             dgl_workers=list(g(args, "dgl_workers", [0, 1])),
             seed=int(g(args, "seed", 0) or 0), num_threads=g(args, "num_threads", None) or None,
             shutdown_timeout_s=float(g(args, "shutdown_timeout_s", 20.0) or 20.0),
-            malloc_retain_mb=int(g(args, "malloc_retain_mb", DEFAULT_RETAIN_MB)))
+            malloc_retain_mb=int(g(args, "malloc_retain_mb", DEFAULT_RETAIN_MB)),
+            cache_ratio=float(g(args, "datapath_cache_ratio", 0.0) or 0.0))
 
 
 def _best(rows: list[dict], key: str) -> float | None:
@@ -427,12 +441,12 @@ def ratios(results: dict[str, dict]) -> dict:
     for r in results.values():
         if r.get("side") != "mfgserve":
             continue
-        n = r["servers"]
-        out[f"per_core_{n}srv"] = _ratio(r["seeds_per_sampler_cpu_s"],
-                                         best["seeds_per_sampler_cpu_s"])
-        out[f"per_total_cpu_{n}srv"] = _ratio(r["seeds_per_total_cpu_s"],
-                                              best["seeds_per_total_cpu_s"])
-        out[f"seeds_per_s_{n}srv"] = _ratio(r["seeds_per_s"], best["seeds_per_s"])
+        n = f"{r['servers']}srv" + ("_cache" if r.get("cache_ratio") else "")
+        out[f"per_core_{n}"] = _ratio(r["seeds_per_sampler_cpu_s"],
+                                      best["seeds_per_sampler_cpu_s"])
+        out[f"per_total_cpu_{n}"] = _ratio(r["seeds_per_total_cpu_s"],
+                                           best["seeds_per_total_cpu_s"])
+        out[f"seeds_per_s_{n}"] = _ratio(r["seeds_per_s"], best["seeds_per_s"])
     out["dgl_best"] = best
     return out
 
@@ -446,16 +460,19 @@ def measure(parts: str | Path, s: Settings, log=None) -> tuple[dict, dict]:
         if log is not None:
             log(msg)
 
-    for n in s.servers:
-        name = f"{STEP}-mfgserve-{n}srv"
-        note(f"{name}: {n} server(s) x {s.sampler_procs or s.server_workers} samplers")
+    runs = [(n, 0.0) for n in s.servers] + ([(1, s.cache_ratio)] if s.cache_ratio > 0 else [])
+    for n, cache_ratio in runs:
+        name = f"{STEP}-mfgserve-{n}srv" + ("-cache" if cache_ratio else "")
+        note(f"{name}: {n} server(s) x {s.sampler_procs or s.server_workers} samplers"
+             + (f", trainer feature cache {cache_ratio:g}" if cache_ratio else ""))
         try:
             r = results[name] = measure_mfgserve(
                 parts, servers_per_part=n, fanouts=s.fanouts, batch_size=s.batch_size,
                 num_batches=s.num_batches, warmup=s.warmup, server_workers=s.server_workers,
                 sampler_procs=s.sampler_procs, inflight=s.inflight, shm_ring=s.shm_ring,
                 seed=s.seed, num_threads=s.num_threads,
-                shutdown_timeout_s=s.shutdown_timeout_s, malloc_retain_mb=s.malloc_retain_mb)
+                shutdown_timeout_s=s.shutdown_timeout_s, malloc_retain_mb=s.malloc_retain_mb,
+                cache_ratio=cache_ratio)
             if not r["clean_exit"]:  # the figures stand; the unclean exit is an error
                 errors[name] = (f"servers did not exit cleanly: exit codes {r['exit_codes']}, "
                                 f"teardown {r['teardown']} after {r['teardown_s']} s (a "
@@ -535,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the servers to exit: a Shutdown message, after half of "
                         "it SIGTERM, then SIGKILL; anything but a clean exit to the Shutdown "
                         "message is an error (default 20)")
+    p.add_argument("--datapath-cache-ratio", type=float, default=0.0,
+                   help="> 0: one more 1-server measurement with the trainer's feature cache "
+                        "holding this share of the hottest nodes (the trainer's "
+                        "--cache-ratio; rows filled in by the consumer, counted in its CPU); "
+                        "ratios suffixed _cache (default 0: none)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch threads of this (consumer) process; 0 keeps torch's default")
@@ -549,6 +571,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("batch_size", "num_batches", "warmup", "server_workers", "inflight"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0.0 <= args.datapath_cache_ratio <= 1.0:
+        raise SystemExit("--datapath-cache-ratio must be in [0, 1]")
     if args.sampler_procs < 0 or any(w < 0 for w in args.dgl_workers):
         raise SystemExit("--sampler-procs and --dgl-workers must be >= 0")
     if not args.servers or any(n < 1 for n in args.servers):
@@ -565,10 +589,10 @@ def table(summary: dict) -> None:
     err = sys.stderr
     print("\ndata path per sampler core (seeds per CPU-second of the sampling processes)",
           file=err)
-    print(f"{'measurement':<28}{'seeds/s':>10}{'batch/s':>9}{'samp cpu':>10}"
+    print(f"{'measurement':<34}{'seeds/s':>10}{'batch/s':>9}{'samp cpu':>10}"
           f"{'seeds/samp-cpu-s':>18}{'seeds/total-cpu-s':>19}", file=err)
     for name, r in summary["results"].items():
-        print(f"{name:<28}{r['seeds_per_s']:>10.0f}{r['batches_per_s']:>9.2f}"
+        print(f"{name:<34}{r['seeds_per_s']:>10.0f}{r['batches_per_s']:>9.2f}"
               f"{r.get('server_cpu_s', r.get('sampler_cpu_s', 0.0)):>10.2f}"
               f"{r['seeds_per_sampler_cpu_s']:>18.0f}{r['seeds_per_total_cpu_s']:>19.0f}",
               file=err)
@@ -591,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                  inflight=args.inflight, shm_ring=args.shm_ring, dgl_workers=args.dgl_workers,
                  seed=args.seed, num_threads=args.num_threads or None,
                  shutdown_timeout_s=args.shutdown_timeout_s,
-                 malloc_retain_mb=args.malloc_retain_mb)
+                 malloc_retain_mb=args.malloc_retain_mb, cache_ratio=args.datapath_cache_ratio)
     results, errors = measure(args.parts, s, logger(STEP))
     summary = {"config": {**dataclasses.asdict(s), "parts": str(args.parts),
                           "cores": os.cpu_count()},

@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight: server-alone client and worker-mode trainers (4)")
     p.add_argument("--cache-ratio", type=float, default=0.0,
                    help="worker-mode trainers' feature cache ratio (0: no cache)")
+    p.add_argument("--datapath-cache-ratio", type=float, default=0.2,
+                   help="datapath step: one more 1-server row with the trainer's feature "
+                        "cache holding this share of the hottest nodes (what a GPU trainer "
+                        "keeps in GPU memory); its ratios are suffixed _cache and are not the "
+                        "headline (default 0.2; 0: no such row)")
     p.add_argument("--feat-transfer", default="", choices=["", "float16", "bfloat16"],
                    help="worker-mode feature dtype on the wire (default: as stored)")
     from benchmarks.hetero import add_args as hetero_args

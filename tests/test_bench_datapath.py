@@ -23,7 +23,7 @@ def parts(tmp_path_factory):
                               train_frac=0.1, eval_frac=0.01)
     out = tmp_path_factory.mktemp("datapath") / "set"
     data = synthetic_data(20_000, args)
-    partition_graph(data, 1, out, seed=0, progress=False, presample_batches=0)
+    partition_graph(data, 1, out, seed=0, progress=False, presample_batches=2)  # hot_rank.npy
     return out
 
 
@@ -63,6 +63,26 @@ def test_datapath_small(parts):
                   "seeds_per_total_cpu_s")
     _positive(s["ratios"], "per_core_1srv", "per_core_2srv", "per_total_cpu_1srv",
               "seeds_per_s_2srv")
+
+
+@pytest.mark.timeout(120)
+def test_datapath_with_trainer_cache(parts):
+    """The extra row with the trainer's feature cache: the servers leave the cached rows out,
+    the loader fills them in (features still summed by the consumer), its own ratios."""
+    s = _run(["benchmarks.datapath", "--parts", str(parts), "--fanouts", "5,5",
+              "--batch-size", "256", "--num-batches", "10", "--warmup", "1", "--servers", "1",
+              "--dgl-workers", "0", "--datapath-cache-ratio", "0.3"], timeout=110)
+    assert s["errors"] == {}
+    r = s["results"]
+    assert set(r) == {"datapath-mfgserve-1srv", "datapath-mfgserve-1srv-cache",
+                      "datapath-dgl-w0"}
+    plain, cached = r["datapath-mfgserve-1srv"], r["datapath-mfgserve-1srv-cache"]
+    assert plain["cache_ratio"] == 0.0 and plain["cached_nodes"] == 0
+    assert cached["cache_ratio"] == 0.3 and cached["clean_exit"] is True
+    assert cached["cached_nodes"] == int(0.3 * 20_000)
+    _positive(cached, "cache_rows_per_batch", "seeds_per_sampler_cpu_s")
+    assert cached["cache_rows_per_batch"] < cached["input_nodes_per_batch"]
+    _positive(s["ratios"], "per_core_1srv", "per_core_1srv_cache", "per_total_cpu_1srv_cache")
 
 
 @pytest.mark.timeout(60)
