@@ -54,18 +54,21 @@ class FeatureCache:
 
     def assemble(self, input_nodes: Tensor, received: Tensor, present: Tensor) -> Tensor:
         """Features of ``input_nodes``: received rows where ``present``, cached rows elsewhere
-        (all on the cache's device)."""
+        (all on the cache's device). Row positions are computed once and rows copied with
+        index_select / index_copy_ (boolean-mask indexing would find them again for every
+        read and write)."""
         present = present.to(self.device)
-        missing = ~present
-        slots = self.slot[input_nodes.to(self.device)[missing]]
-        if bool((slots < 0).any()):
+        have = torch.nonzero(present).flatten()
+        fill = torch.nonzero(~present).flatten()
+        slots = self.slot.index_select(0, input_nodes.to(self.device).index_select(0, fill))
+        if slots.numel() and int(slots.min()) < 0:
             raise RuntimeError("a server left out features of a node this trainer does not "
                                "cache: trainer and servers disagree on --cache-ratio / "
                                "hot_rank.npy")
         out = torch.empty((input_nodes.numel(), self.feat.shape[1]), dtype=self.feat.dtype,
                           device=self.device)
-        out[present] = received.to(self.device, non_blocking=True).to(self.feat.dtype)
-        out[missing] = self.feat[slots]
+        out.index_copy_(0, have, received.to(self.device, non_blocking=True).to(self.feat.dtype))
+        out.index_copy_(0, fill, self.feat.index_select(0, slots))
         self.rows_served += int(slots.numel())
         self.bytes_saved += int(slots.numel()) * self.feat.shape[1] * received.element_size()
         return out
