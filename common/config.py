@@ -186,8 +186,9 @@ class TrainerConfig:
     deterministic_sampling: bool = opt(
         True, "send every batch a sample seed derived from (seed, epoch, rank, batch), so the "
         "servers sample the same MFGs in every run with the same seed (needed for --resume to "
-        "match an uninterrupted run); off: each server's own random stream (DGL's sampler, "
-        "slightly faster)")
+        "match an uninterrupted run); off: each server's own random stream through DGL's "
+        "sampler (not faster: the seeded sampler's native passes take less time per edge, "
+        "docs/benchmarks.md)")
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda")
     num_threads: int = opt(
         0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
