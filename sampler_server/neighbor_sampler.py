@@ -62,16 +62,20 @@ class Timings:
 
 def relabel(dst: Tensor, src: Tensor, scratch: np.ndarray | None = None) -> tuple[Tensor, Tensor]:
     """Compact ids: returns ``(nodes, src_local)`` where ``nodes`` lists ``dst`` first (in
-    order, assumed unique) followed by the other ids of ``src``, each once, in the order of
-    their first appearance in ``src`` (DGL's ``to_block`` order), and ``src_local[i]`` is the
-    position of ``src[i]`` in ``nodes``.
+    order, assumed unique) followed by the other ids of ``src``, each once, in ascending
+    order, and ``src_local[i]`` is the position of ``src[i]`` in ``nodes``.
+
+    Ascending, not DGL ``to_block``'s order of first appearance (the same node sets, the same
+    edges): the last hop's ``nodes`` are the rows the server gathers, and rows read front to
+    back stream from memory far faster than in a random order (docs/benchmarks.md, session
+    22); the next hop also reads the CSC rows of a sorted frontier in order.
 
     ``scratch`` (:func:`new_scratch`: int32, one slot per global node, all -1) makes this O(len)
-    with no hashing or sort; it is returned all -1 again. With it, one pass of the native
-    kernel (common/native.c, GIL released) does the work; where that is not loaded, the same
-    result comes from numpy passes (fancy indexing several times faster than torch's for
-    these scattered reads and writes; int32 halves the memory they touch). Without a scratch,
-    a sort-based version gives the same result too.
+    with no hashing; it is returned all -1 again. With it, the native kernel (common/native.c,
+    GIL released) does the work; where that is not loaded, the same result comes from numpy
+    passes (fancy indexing several times faster than torch's for these scattered reads and
+    writes; int32 halves the memory they touch). Without a scratch, a sort-based version gives
+    the same result too.
     """
     if scratch is None:
         return _relabel_sorting(dst, src)
@@ -85,6 +89,8 @@ def relabel(dst: Tensor, src: Tensor, scratch: np.ndarray | None = None) -> tupl
     src_local = torch.empty(ns, dtype=torch.int64)
     nn = lib.mfg_relabel(dst.data_ptr(), nd, src.data_ptr(), ns, scratch.size,
                          scratch.ctypes.data, nodes.data_ptr() + 8 * nd, src_local.data_ptr())
+    if nn == -2:
+        raise MemoryError(f"relabel: no memory for the work arrays of {ns} sources")
     if nn < 0:
         raise ValueError(f"relabel: an id is outside [0, {scratch.size}) (the scratch's "
                          "node count)")
@@ -96,13 +102,7 @@ def _relabel_numpy(dst: Tensor, src: Tensor, scratch: np.ndarray) -> tuple[Tenso
     d, s = dst.numpy(), src.numpy()
     nd = d.size
     scratch[d] = np.arange(nd, dtype=np.int32)
-    cand = s[scratch[s] < 0]
-    # Written in reverse, each repeated id keeps its first occurrence's slot (numpy assigns
-    # in index order, the last write wins); exactly the first occurrence of each distinct new
-    # id then reads back its own slot, in order of appearance.
-    slots = np.arange(cand.size, dtype=np.int32)
-    scratch[cand[::-1]] = slots[::-1]
-    new = cand[scratch[cand] == slots]
+    new = np.unique(s[scratch[s] < 0])  # sorted, once each
     scratch[new] = np.arange(nd, nd + new.size, dtype=np.int32)
     src_local = scratch[s].astype(np.int64)
     scratch[d] = -1
@@ -112,12 +112,8 @@ def _relabel_numpy(dst: Tensor, src: Tensor, scratch: np.ndarray) -> tuple[Tenso
 
 def _relabel_sorting(dst: Tensor, src: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`relabel` by sorting, with no scratch (the reference for the other two)."""
-    uniq, inv = torch.unique(src, return_inverse=True)
-    first = torch.full((uniq.numel(),), src.numel(), dtype=torch.int64).scatter_reduce_(
-        0, inv, torch.arange(src.numel()), "amin")
-    fresh = ~torch.isin(uniq, dst)
-    new = uniq[fresh][torch.argsort(first[fresh])]
-    nodes = torch.cat([dst, new])
+    uniq = torch.unique(src)  # sorted
+    nodes = torch.cat([dst, uniq[~torch.isin(uniq, dst)]])
     order = torch.argsort(nodes)
     return nodes, order[torch.searchsorted(nodes[order], src)]
 

@@ -1,5 +1,5 @@
-"""relabel(): destination nodes first, every other source once in order of first appearance,
-positions consistent; the native kernel, the numpy passes and the sort-based reference agree
+"""relabel(): destination nodes first, every other source once in ascending order, positions
+consistent; the native kernel, the numpy passes and the sort-based reference agree
 and leave the scratch buffer clean."""
 
 from __future__ import annotations
@@ -17,13 +17,8 @@ from sampler_server.neighbor_sampler import new_scratch, relabel
 pytestmark = pytest.mark.timeout(120)
 
 
-def _first_appearance(dst: list[int], src: list[int]) -> list[int]:
-    seen, out = set(dst), []
-    for v in src:
-        if v not in seen:
-            seen.add(v)
-            out.append(v)
-    return out
+def _new_sorted(dst: list[int], src: list[int]) -> list[int]:
+    return sorted(set(src) - set(dst))
 
 
 @settings(max_examples=300, deadline=None)
@@ -37,7 +32,7 @@ def test_relabel_invariants(data):
     scratch = new_scratch(n)
     nodes, local = relabel(dst, src, scratch)
     assert torch.equal(nodes[: dst.numel()], dst)
-    assert nodes[dst.numel():].tolist() == _first_appearance(dst.tolist(), src.tolist())
+    assert nodes[dst.numel():].tolist() == _new_sorted(dst.tolist(), src.tolist())
     assert torch.equal(nodes[local], src)
     assert bool((scratch == -1).all())
     for other in (ns._relabel_numpy(dst, src, scratch), relabel(dst, src)):
@@ -58,6 +53,26 @@ def test_native_relabel_is_used_and_matches_numpy_on_a_large_hop():
     a = relabel(dst, src, scratch)
     b = ns._relabel_numpy(dst, src, scratch)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert bool((scratch == -1).all())
+
+
+@pytest.mark.parametrize("spread", [1, 1000])
+def test_native_relabel_dense_and_sparse_new_ids(spread):
+    """The kernel sorts new ids by a scan of the scratch when they are dense in their range
+    and by a radix sort when they are sparse (ids up to 2**25: three radix passes); both give
+    the reference's result and leave the scratch clean."""
+    if native.load() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    rng = np.random.default_rng(spread)
+    n = 40_000 * spread
+    dst = torch.from_numpy(rng.choice(n, 3_000, replace=False))
+    src = torch.from_numpy(rng.integers(0, n, 60_000))
+    src[:500] = dst[:500]  # some sources are destinations
+    scratch = new_scratch(n)
+    nodes, local = relabel(dst, src, scratch)
+    ref = relabel(dst, src)
+    assert torch.equal(nodes, ref[0]) and torch.equal(local, ref[1])
+    assert bool((nodes[dst.numel():].diff() > 0).all())
     assert bool((scratch == -1).all())
 
 
