@@ -59,7 +59,7 @@ def test_native_relabel_is_used_and_matches_numpy_on_a_large_hop():
 @pytest.mark.parametrize("spread", [1, 1000])
 def test_native_relabel_dense_and_sparse_new_ids(spread):
     """The kernel sorts new ids by a scan of the scratch when they are dense in their range
-    and by a radix sort when they are sparse (ids up to 2**25: three radix passes); both give
+    and by a radix sort when they are sparse (ids below 4e7: three radix passes); both give
     the reference's result and leave the scratch clean."""
     if native.load() is None:
         pytest.skip(f"native kernels: {native.status()}")
