@@ -114,6 +114,10 @@ class RpcChannel:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        # By the clock, not by quiet polls: while nothing listens at the endpoint, libzmq
+        # retries the connection every 100 ms and each retry wakes the poll (monitor event),
+        # so "call meanwhile when a poll saw nothing" would never call it.
+        next_call = time.monotonic() + MEANWHILE_S
         while True:
             self.poll_events()
             if self.lost:
@@ -121,18 +125,20 @@ class RpcChannel:
                     f"the connection to server {self.endpoint} dropped with {len(self.lost)} "
                     f"request(s) unanswered while we waited for {waiting_for}: "
                     f"{self.diagnose(RECONNECT_GRACE_S, dropped=True)}")
-            step = deadline.left() if meanwhile is None else min(deadline.left(), MEANWHILE_S)
-            events = dict(poller.poll(int(step * 1000)))
-            if not events and meanwhile is not None and deadline.left() > 0:
+            if meanwhile is not None and time.monotonic() >= next_call and deadline.left() > 0:
                 meanwhile()
-                continue
-            if not events:
+                next_call = time.monotonic() + MEANWHILE_S
+            step = deadline.left()
+            if meanwhile is not None:
+                step = min(step, max(0.0, next_call - time.monotonic()))
+            events = dict(poller.poll(int(step * 1000)))
+            if self.sock not in events:
+                if deadline.left() > 0:
+                    continue
                 raise PeerTimeoutError(
                     f"no reply from server {self.endpoint} within {limit:.1f}s while waiting "
                     f"for {waiting_for}: {self.diagnose(0.0, dropped=False)}; raise "
                     f"{self.setting} if it is only slow")
-            if self.sock not in events:
-                continue
             frames = self.sock.recv_multipart(copy=False)
             self.bytes_received += sum(len(f) for f in frames)
             try:

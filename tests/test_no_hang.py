@@ -174,24 +174,36 @@ def test_a_lost_part_ends_a_wait_on_another_part(server_factory, synth_parts2, t
 
 
 @pytest.mark.timeout(120)
-def test_server_stops_at_once_while_a_sampler_waits_on_a_frozen_peer(server_factory,
-                                                                     synth_parts2, tmp_path):
+@pytest.mark.parametrize("how", ["sigstop", "sigkill"])
+def test_server_stops_at_once_while_a_sampler_waits_on_a_lost_peer(how, server_factory,
+                                                                   synth_parts2, tmp_path):
     """SIGTERM ends a server within seconds even while a sampling thread waits for a peer
-    that will not answer (SIGSTOPped: the wait would last --peer-timeout-s, 20 s here): the
-    stop event ends the wait (ReplicaSet.stop), so the thread and the process finish."""
+    that will not answer, so the wait would last --peer-timeout-s (20 s here):
+
+    - sigstop: the peer is frozen;
+    - sigkill: the peer died before the request went out. libzmq queues the request and
+      retries the connection every 100 ms, each retry a monitor event that wakes the wait.
+
+    The stop event ends the wait (ReplicaSet.stop, checked every MEANWHILE_S by the clock),
+    so the thread and the process finish."""
     from common.messages import SampleRequest, SeedsReply, SeedsRequest
 
     _cluster, servers = _tcp_servers(server_factory, synth_parts2, tmp_path)
-    frozen, server = servers
+    lost, server = servers
     seeds = call(server.endpoint, SeedsRequest(split="train"), SeedsReply).seeds[:64]
-    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    os.kill(lost.proc.pid, signal.SIGSTOP if how == "sigstop" else signal.SIGKILL)
     try:
+        if how == "sigkill":
+            lost.proc.wait(timeout=10)
         with channel(server.endpoint, timeout_s=60) as ch:
             ch.send(SampleRequest(seeds=seeds, fanouts=[10, 10]))
-            time.sleep(2.0)  # a sampling thread takes it and waits on the frozen peer
+            time.sleep(2.0)  # a sampling thread takes it and waits on the lost peer
             t0 = time.monotonic()
             code = server.stop_and_check(timeout=10.0)  # < the 20 s peer timeout
             assert code == 0 and time.monotonic() - t0 < 10.0
     finally:
-        os.kill(frozen.proc.pid, signal.SIGCONT)
-        frozen.stop_and_check()
+        if how == "sigstop":
+            os.kill(lost.proc.pid, signal.SIGCONT)
+            lost.stop_and_check()
+        else:
+            lost.stop_and_check(expect_code=None)
