@@ -70,6 +70,7 @@ def test_a_reply_still_arrives_with_meanwhile():
     try:
         with channel(f"tcp://127.0.0.1:{port}", ctx=ctx, timeout_s=20.0) as ch:
             rid = ch.send(Ping())
+            assert router.poll(10_000), "the request did not arrive within 10 s"
             frames = router.recv_multipart()
             calls: list[int] = []
 
@@ -80,7 +81,7 @@ def test_a_reply_still_arrives_with_meanwhile():
 
             msg, got = ch.recv(meanwhile=meanwhile)  # the echo is taken as the reply
             assert got == rid and isinstance(msg, Ping)
-            assert len(calls) == 2
+            assert len(calls) >= 2
     finally:
         router.close(linger=0)
         ctx.term()
