@@ -94,11 +94,11 @@ static void radix_sort(int64_t *v, int64_t n, int64_t bound, int64_t *tmp)
  * not in dst, each once, in ascending order, to new_out (room for ns), and the position of
  * src[i] in [dst, new_out] to src_local[i].
  * Returns the number of new ids; MFG_BAD_ID (nothing written) if an id is out of range;
- * MFG_NO_MEMORY if two work arrays of that many entries cannot be allocated.
+ * MFG_NO_MEMORY if its work arrays (nn entries each) cannot be allocated.
  *
  * Why ascending: the server gathers the last hop's ids' feature rows in this order, and rows
  * read front to back stream from memory far faster than in a random order (products-shaped
- * batch, 373k of 1M rows: 68-74 -> 49-52 ms; docs/benchmarks.md, session 22).
+ * batch, 373k of 1M rows: gather 74 -> 50 ms; docs/benchmarks.md, session 22).
  * How: relabel_pass, then the new ids sorted (by a scan of the scratch over their range when
  * that is dense, else a radix sort), then each provisional slot in src_local mapped to its
  * sorted one through a map of nn int32 slots. */
@@ -108,21 +108,22 @@ int64_t mfg_relabel(const int64_t *dst, int64_t nd, const int64_t *src, int64_t 
     const int64_t nn = relabel_pass(dst, nd, src, ns, num_nodes, scratch, new_out, src_local);
     if (nn <= 0)
         return nn;
-    int64_t *tmp = malloc((size_t)nn * sizeof(int64_t));
+    int64_t lo = num_nodes, hi = -1;
+    for (int64_t q = 0; q < nn; q++) {
+        lo = new_out[q] < lo ? new_out[q] : lo;
+        hi = new_out[q] > hi ? new_out[q] : hi;
+    }
+    const int dense = hi - lo < MFG_SCAN_PER_ID * nn;
+    int64_t *tmp = dense ? NULL : malloc((size_t)nn * sizeof(int64_t)); /* radix sort's */
     int32_t *map = malloc((size_t)nn * sizeof(int32_t));
-    if (tmp == NULL || map == NULL) {
+    if ((!dense && tmp == NULL) || map == NULL) {
         free(tmp);
         free(map);
         for (int64_t q = 0; q < nn; q++)
             scratch[new_out[q]] = -1;
         return MFG_NO_MEMORY;
     }
-    int64_t lo = num_nodes, hi = -1;
-    for (int64_t q = 0; q < nn; q++) {
-        lo = new_out[q] < lo ? new_out[q] : lo;
-        hi = new_out[q] > hi ? new_out[q] : hi;
-    }
-    if (hi - lo < MFG_SCAN_PER_ID * nn) { /* dense: the scratch read in id order sorts them */
+    if (dense) { /* the scratch read in id order sorts them */
         int64_t k = 0;
         for (int64_t v = lo; v <= hi; v++) {
             const int32_t p = scratch[v];

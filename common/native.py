@@ -42,6 +42,7 @@ SOURCE = Path(__file__).with_name("native.c")
 CFLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
 ENV_SWITCH = "MFGSERVE_NATIVE"  # "0": do not build or load, use the numpy paths
 ENV_DIR = "MFGSERVE_NATIVE_DIR"
+BAD_ID, NO_MEMORY = -1, -2  # the kernels' error returns (MFG_BAD_ID, MFG_NO_MEMORY in native.c)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

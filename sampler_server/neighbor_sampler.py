@@ -89,7 +89,7 @@ def relabel(dst: Tensor, src: Tensor, scratch: np.ndarray | None = None) -> tupl
     src_local = torch.empty(ns, dtype=torch.int64)
     nn = lib.mfg_relabel(dst.data_ptr(), nd, src.data_ptr(), ns, scratch.size,
                          scratch.ctypes.data, nodes.data_ptr() + 8 * nd, src_local.data_ptr())
-    if nn == -2:
+    if nn == native.NO_MEMORY:
         raise MemoryError(f"relabel: no memory for the work arrays of {ns} sources")
     if nn < 0:
         raise ValueError(f"relabel: an id is outside [0, {scratch.size}) (the scratch's "
