@@ -44,23 +44,30 @@ def test_sageconv_equals_dgl(in_feats, out_feats):
     assert isinstance(dgl.NID, str) and dgl.NID == NID
 
 
-@pytest.mark.parametrize("in_feats,out_feats", [(16, 8), (8, 16), (12, 12)])
-def test_sageconv_gradients_equal_dgl(in_feats, out_feats):
+@pytest.mark.parametrize("in_feats,out_feats,num_src,first", [
+    (16, 8, 50, False), (16, 8, 20, True), (8, 16, 50, False), (8, 16, 20, False),
+    (12, 12, 50, False)])
+def test_sageconv_gradients_equal_dgl(in_feats, out_feats, num_src, first):
     """The gradients w.r.t. the input (one fused gradient for the self term and the
     neighbour mean, see model._MeanAggregate) and every parameter equal dgl.nn.SAGEConv's,
-    with destinations without in-edges and sources without out-edges."""
+    with destinations without in-edges and sources without out-edges, in both association
+    orders (``first``: model.project_first picks projecting before the mean; with as many
+    sources as destinations it does whenever in > out, as DGL does)."""
     import_dgl()
     from dgl.nn import SAGEConv as DGLSAGEConv
 
-    block = random_block(50, 20, 6, seed=in_feats + 2 * out_feats)
+    from trainer_client.model import project_first
+
+    block = random_block(num_src, 20, 6, seed=in_feats + 2 * out_feats)
+    assert project_first(block, in_feats, out_feats) is first
     assert (block.in_degrees() == 0).any()
-    assert (torch.bincount(block.indices, minlength=50) == 0).any()
+    assert (torch.bincount(block.indices, minlength=num_src) == 0).any()
     ours = SAGEConv(in_feats, out_feats)
     ref = DGLSAGEConv(in_feats, out_feats, "mean")
     with torch.no_grad():
         ours.fc_self.bias.copy_(torch.randn(out_feats))
     ref.load_state_dict(ours.state_dict())
-    x = torch.randn(50, in_feats, requires_grad=True)
+    x = torch.randn(num_src, in_feats, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     got = ours(block, x)
     want = ref(block.to_dgl(), (x_ref, x_ref[: block.num_dst_nodes()]))

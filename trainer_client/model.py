@@ -11,9 +11,10 @@ same block with the same weights (tested against DGL)::
 with the mean over the block's sampled in-edges (0 for a destination without any). The mean
 is one weighted ``embedding_bag`` over the CSC (fused, no per-edge message tensor) whose
 backward is the same kernel over the transposed bags: the same code on CPU and CUDA. The
-step is built to move as few bytes as it can (see :class:`_MeanAggregate`, the in-place
-``addmm_`` in :meth:`SAGEConv.forward` and GraphSAGE's in-place ReLU): on 2 CPU cores the
-trainer step is memory-bound, and every full-size temporary costs page faults and passes.
+step is built to move as few bytes and multiply as little as it can (see
+:class:`_MeanAggregate`, :class:`_SelfNeighLinear`, :func:`project_first` and GraphSAGE's
+in-place ReLU): on 2 CPU cores the trainer step is bound by its GEMMs (at 120-180 GFLOP/s)
+and memory passes, and every full-size temporary costs page faults and passes.
 """
 
 from __future__ import annotations
@@ -75,6 +76,54 @@ def mean_and_self(block: Block, h_src: Tensor) -> tuple[Tensor, Tensor]:
     return _MeanAggregate.apply(h_src, block, True)
 
 
+def project_first(block: Block, in_feats: int, out_feats: int) -> bool:
+    """Whether ``W mean(h)`` is cheaper as ``mean(h W)`` on this block (the same function).
+
+    Projecting first multiplies every source row by ``W`` (``num_src * in * out``
+    multiply-adds) and then aggregates ``out`` columns along the edges; aggregating first moves
+    ``in`` columns along the edges and multiplies only the destination rows. Project first iff
+    ``(num_src - num_dst) * in * out < num_edges * (in - out)``. DGL's SAGEConv decides by
+    ``in > out`` alone, which on a sampled block (several times more sources than
+    destinations) projects thousands of rows whose projection only feeds a mean: the seed
+    model's last layer (256 -> 47, 4-6k sources for 1,024 seeds) then costs 2.5x the
+    multiply-adds of aggregating first.
+    """
+    extra_rows = block.num_src_nodes() - block.num_dst_nodes()
+    return extra_rows * in_feats * out_feats < block.num_edges() * (in_feats - out_feats)
+
+
+class _SelfNeighLinear(torch.autograd.Function):
+    """``h_dst W_self^T + bias + h_neigh W_neigh^T``: SAGEConv's two projections into one
+    output, the second accumulated in place (``addmm_``: no third ``[num_dst, out]`` tensor).
+
+    Its backward computes each weight gradient as ``(h^T grad)^T``. Autograd's ``addmm``
+    backward computes ``grad^T h`` for a weight used as ``W.t()``; with ``num_dst`` in the tens
+    of thousands and ``in`` 100 (the input layer) that GEMM runs at 120-130 GFLOP/s on this
+    2-core machine, and this form at 137-150 (docs/benchmarks.md, "Issue 14, session 23"):
+    4-5 % of the seed model's step. The same products, so the same gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, h_dst: Tensor, h_neigh: Tensor, w_self: Tensor, w_neigh: Tensor,
+                bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(h_dst, h_neigh, w_self, w_neigh)
+        ctx.has_bias = bias is not None
+        out = (torch.mm(h_dst, w_self.t()) if bias is None
+               else torch.addmm(bias, h_dst, w_self.t()))
+        return out.addmm_(h_neigh, w_neigh.t())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h_dst, h_neigh, w_self, w_neigh = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad = grad.contiguous()
+        return (grad.mm(w_self) if need[0] else None,
+                grad.mm(w_neigh) if need[1] else None,
+                h_dst.t().mm(grad).t().contiguous() if need[2] else None,
+                h_neigh.t().mm(grad).t().contiguous() if need[3] else None,
+                grad.sum(0) if ctx.has_bias and need[4] else None)
+
+
 class SAGEConv(nn.Module):
     def __init__(self, in_feats: int, out_feats: int, bias: bool = True):
         super().__init__()
@@ -89,14 +138,12 @@ class SAGEConv(nn.Module):
         nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
 
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
-        # Project first when that shrinks the rows we move along edges (same result).
-        if self.in_feats > self.out_feats:
+        if project_first(block, self.in_feats, self.out_feats):
             h_neigh = mean_aggregate(block, self.fc_neigh(h_src))
             return self.fc_self(h_src[: block.num_dst_nodes()]) + h_neigh
         h_neigh, h_dst = mean_and_self(block, h_src)
-        # fc_self(h_dst) + fc_neigh(h_neigh) with the sum accumulated in place (addmm_): no
-        # third [num_dst, out] tensor; addmm's backward does not need its output
-        return self.fc_self(h_dst).addmm_(h_neigh, self.fc_neigh.weight.t())
+        return _SelfNeighLinear.apply(h_dst, h_neigh, self.fc_self.weight,
+                                      self.fc_neigh.weight, self.fc_self.bias)
 
 
 _BITS = 15  # random bits per element of a CPU dropout mask
