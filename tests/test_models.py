@@ -65,14 +65,20 @@ def assert_same_forward_and_grads(ours, ref, block, in_feats: int):
         torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=name)
 
 
-@pytest.mark.parametrize("in_feats,out_feats", [(16, 8), (8, 16), (12, 12)])
-def test_graphconv_equals_dgl(in_feats, out_feats):
+@pytest.mark.parametrize("in_feats,out_feats,num_src,first", [
+    (16, 8, 50, False), (16, 8, 20, True), (8, 16, 50, False), (12, 12, 50, False)])
+def test_graphconv_equals_dgl(in_feats, out_feats, num_src, first):
+    """Forward and gradients, in both association orders (``first``: model.project_first
+    multiplies by the weight before the aggregation)."""
     import_dgl()
     from dgl.nn import GraphConv as DGLGraphConv
 
-    block = random_block(50, 20, 6, seed=in_feats + out_feats)
+    from trainer_client.model import project_first
+
+    block = random_block(num_src, 20, 6, seed=in_feats + out_feats)
+    assert project_first(block, in_feats, out_feats) is first
     assert (block.in_degrees() == 0).any(), "want a destination without in-edges"
-    assert (torch.bincount(block.indices, minlength=50) == 0).any(), "and an unused source"
+    assert (torch.bincount(block.indices, minlength=num_src) == 0).any(), "and an unused source"
     ours = GraphConv(in_feats, out_feats)
     with torch.no_grad():
         ours.bias.copy_(torch.randn(out_feats))

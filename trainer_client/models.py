@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from common.config import HETERO_MODEL_NAMES, MODEL_NAMES  # the --model choices
 from common.errors import ConfigError
 from common.mfg import Block
-from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate
+from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate, project_first
 
 __all__ = ["MODEL_NAMES", "build_model", "check_spec", "GraphConv", "GATConv", "GCN", "GAT",
            "DGLGraphSAGE", "edge_softmax"]
@@ -58,11 +58,11 @@ class GraphConv(nn.Module):
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
         out_deg = torch.bincount(block.indices, minlength=block.num_src_nodes())
         h = h_src * out_deg.clamp(min=1).to(h_src.dtype).rsqrt().unsqueeze(1)
-        project_first = self.in_feats > self.out_feats  # fewer columns along the edges
-        if project_first:
+        first = project_first(block, self.in_feats, self.out_feats)  # the cheaper order
+        if first:
             h = h @ self.weight
         h = mean_aggregate(block, h)
-        if not project_first:
+        if not first:
             h = h @ self.weight
         # mean * d_in / sqrt(d_in) = sum / sqrt(d_in)
         in_deg = block.in_degrees().clamp(min=1).to(h.dtype)
