@@ -107,7 +107,6 @@ class _SelfNeighLinear(torch.autograd.Function):
     def forward(ctx, h_dst: Tensor, h_neigh: Tensor, w_self: Tensor, w_neigh: Tensor,
                 bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(h_dst, h_neigh, w_self, w_neigh)
-        ctx.has_bias = bias is not None
         out = (torch.mm(h_dst, w_self.t()) if bias is None
                else torch.addmm(bias, h_dst, w_self.t()))
         return out.addmm_(h_neigh, w_neigh.t())
@@ -121,7 +120,7 @@ class _SelfNeighLinear(torch.autograd.Function):
                 grad.mm(w_neigh) if need[1] else None,
                 h_dst.t().mm(grad).t().contiguous() if need[2] else None,
                 h_neigh.t().mm(grad).t().contiguous() if need[3] else None,
-                grad.sum(0) if ctx.has_bias and need[4] else None)
+                grad.sum(0) if need[4] else None)  # False for no bias
 
 
 class SAGEConv(nn.Module):
