@@ -59,6 +59,7 @@ from benchmarks.report import (
     machine_info,
     ratio,
 )
+from common.config import PREFETCH_MODES
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
@@ -195,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared-memory ring slots for the features (default: on)")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests in flight: server-alone client and worker-mode trainers (4)")
+    p.add_argument("--prefetch", choices=list(PREFETCH_MODES), default="auto",
+                   help="worker-mode trainers' --prefetch (default auto: one trainer with "
+                        "every core alternates sampling and compute; see docs/configuration.md)")
     p.add_argument("--cache-ratio", type=float, default=0.0,
                    help="worker-mode trainers' feature cache ratio (0: no cache)")
     p.add_argument("--datapath-cache-ratio", type=float, default=0.2,
@@ -268,7 +272,8 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
             "--fanouts", ",".join(map(str, args.fanouts)), "--batch-size", str(batch_size),
             "--hidden", str(args.hidden), "--seed", str(args.seed), "--model", "sage",
             "--dropout", str(dropout), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY),
-            "--max-inflight", str(args.inflight), "--server-num-workers",
+            "--max-inflight", str(args.inflight), "--prefetch", args.prefetch,
+            "--server-num-workers",
             str(args.server_workers), "--server-sampler-procs",
             str(args.worker_sampler_procs), "--no-progress",
             "--shm-ring" if args.shm_ring else "--no-shm-ring",

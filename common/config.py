@@ -34,6 +34,17 @@ MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")  # trainer_client.models.build_
 HETERO_MODEL_NAMES = ("rsage", "hetero-sage")  # typed models (trainer_client.hetero_model)
 # --model: "auto" is rsage on a typed partition set, sage on a homogeneous one
 TRAINER_MODELS = ("auto",) + MODEL_NAMES + HETERO_MODEL_NAMES
+PREFETCH_MODES = ("auto", "overlap", "alternate")  # trainer_client.loader.DistNodeDataLoader
+PREFETCH_HELP = (
+    "when sample requests are sent: 'overlap' keeps --max-inflight requests outstanding, so "
+    "the servers sample the next batches while the model computes; 'alternate' sends "
+    "--max-inflight requests at once only when none is outstanding and computes once all "
+    "their replies are in, so sampling and compute take turns. On a CPU trainer whose torch "
+    "threads use every core, a server on the same host preempts one of those threads and the "
+    "others wait for it at each parallel step: taking turns is faster there "
+    "(docs/benchmarks.md, session 24). 'auto' alternates on a CPU trainer with more than one "
+    "torch thread and at least as many as the cores it may use, once a server has written "
+    "into its shared-memory ring (a server on this host); otherwise it overlaps")
 LR_SCHEDULES = ("none", "step", "cosine")
 EVAL_MODES = ("sampled", "full")
 # --malloc-retain-mb of trainers and servers
@@ -159,6 +170,7 @@ class TrainerConfig:
     lr: float = opt(3e-3, "Adam learning rate")
     weight_decay: float = opt(5e-4, "Adam weight decay")
     max_inflight: int = opt(4, "sample requests in flight per trainer (prefetch depth)")
+    prefetch: str = opt("auto", PREFETCH_HELP, choices=list(PREFETCH_MODES))
     cache_ratio: float = opt(
         0.0, "fraction of each part's nodes whose features this trainer caches on its device "
         "(the hottest, ranked by partition-ogbn's pre-sampling); servers skip sending them")

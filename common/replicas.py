@@ -155,6 +155,10 @@ class ReplicaSet:
         self._inflight[(endpoint, handle.rid)] = handle
         return handle
 
+    def outstanding(self) -> int:
+        """Requests sent whose replies have not been taken (:meth:`wait`) or cancelled."""
+        return len(self._inflight)
+
     def wait(self, handle: Handle) -> Message:
         """The reply to ``handle``, failing over to replicas as needed (see module doc).
         Every call ends: with the reply, or with the error that ended the request."""

@@ -46,7 +46,8 @@ SERVER = ServerConfig(
 TRAINER = TrainerConfig(
     cluster="/c.yaml", fanouts=[-1, 5, 3], eval_fanouts=[4, 4, 4], batch_size=7,
     eval_batch_size=9, epochs=2, hidden=8, dropout=0.25, lr=0.0125, weight_decay=1e-6,
-    max_inflight=2, cache_ratio=0.3, feat_transfer="float16", request_timeout_s=17.5,
+    max_inflight=2, prefetch="alternate", cache_ratio=0.3, feat_transfer="float16",
+    request_timeout_s=17.5,
     shm_ring=False, shm_ring_mb=64, device="cpu", num_threads=3, malloc_retain_mb=64, eval_every=2, seed=11,
     progress=False, summary_out="/s.json", max_message_mb=77, heartbeat_s=0.5,
     heartbeat_timeout_s=3.0, curve_secret_key="/k", replica_suspect_s=4.5, run_dir="/run",

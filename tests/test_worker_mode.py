@@ -101,6 +101,12 @@ def test_default_synthetic_dataset(tmp_path):
     assert summary["dataset"].startswith("synthetic") and summary["epochs"] == 3
     assert summary["test_acc"] > 0.3, summary  # 8 classes: well above chance (0.125)
     assert summary["malloc_retain_mb"] == 256, summary  # the default took effect (glibc)
+    # --prefetch auto: one trainer gets every core as torch threads (worker-mode's default),
+    # so with the servers on its host it alternates sampling and compute (if it has 2+).
+    threads, cores = max(1, os.cpu_count() or 1), len(os.sched_getaffinity(0))
+    pf = summary["prefetch"]
+    assert pf["mode"] == "auto" and pf["alternated"] == (1 < threads >= cores), pf
+    assert (pf["bursts"] > 0) == pf["alternated"], pf
     _assert_clean(tmp_path, str(work))
 
 

@@ -56,8 +56,8 @@ _NAME = re.compile(r"^epoch-(\d{6,})\.pt$")
 RUN_ONLY_KEYS = frozenset({
     "cluster", "epochs", "progress", "summary_out", "run_dir", "checkpoint_dir",
     "checkpoint_every", "resume", "request_timeout_s", "heartbeat_s", "heartbeat_timeout_s",
-    "curve_secret_key", "replica_suspect_s", "max_message_mb", "max_inflight", "shm_ring",
-    "shm_ring_mb", "num_threads", "device", "eval_batch_size", "malloc_retain_mb"})
+    "curve_secret_key", "replica_suspect_s", "max_message_mb", "max_inflight", "prefetch",
+    "shm_ring", "shm_ring_mb", "num_threads", "device", "eval_batch_size", "malloc_retain_mb"})
 
 
 def result_config(cfg: TrainerConfig) -> dict:

@@ -9,7 +9,13 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
   number of batches on every rank (sizes differ by at most one): every seed is used exactly
   once per epoch and DDP ranks step in lockstep.
 * At most ``max_inflight`` requests are outstanding (credit-based prefetch); batches are
-  yielded in order.
+  yielded in order. ``prefetch`` says when they are sent (``--prefetch``, common/config.py):
+  ``"overlap"`` tops the window up after every batch, so the servers sample while the model
+  computes; ``"alternate"`` sends a whole window only when none is outstanding and hands out
+  its first batch once every reply of the window has arrived, so sampling and compute take
+  turns; ``"auto"`` alternates when ``alternate_if_local`` (the caller's threads cover every
+  core) and a server has written into this trainer's shared-memory ring (it shares the
+  host), else overlaps.
 * ``batch_locality="part"`` (training): batches are made of one part's seeds, in a shuffled
   order (see :func:`shard_batches`); the guarantees above still hold.
 * A batch goes to a server of the part owning most of its seeds; that server samples across
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from common.config import PREFETCH_MODES
 from common.messages import MFGReply, RelFanouts, SampleRequest, derive_seed
 from common.mfg import MFG, HeteroMFG
 from common.rpc import expect
@@ -54,6 +61,15 @@ from trainer_client.feature_cache import FeatureCache
 from trainer_client.server_pool import Handle, ServerPool
 
 log = logging.getLogger("mfgserve.trainer")
+
+@dataclass
+class _InFlight:
+    """A request in flight: its handle, its ring slot, and its reply once taken."""
+
+    handle: Handle
+    slot: int | None
+    reply: MFGReply | None = None
+    taken_at: float = 0.0  # perf_counter() when the reply was taken
 
 
 @dataclass
@@ -70,6 +86,7 @@ class LoaderStats:
     h2d_wait_s: float = 0.0  # waiting for a copy to finish (the part not hidden)
     ring_hits: int = 0  # replies whose features arrived in the shared-memory ring
     ring_misses: int = 0  # requests sent without a slot (none free)
+    bursts: int = 0  # windows sent at once and awaited whole (prefetch alternate)
     server: RequestTimings = field(default_factory=RequestTimings)  # summed over replies
 
     def add_server(self, timings: dict[str, float]) -> None:
@@ -148,8 +165,13 @@ class DistNodeDataLoader:
                  cache_ratio: float = 0.0, ring: ShmRing | None = None,
                  deterministic: bool = True, batch_locality: str = "global",
                  hetero: bool = False, rel_fanouts: list[list[int]] | None = None,
-                 seed_ntype: str | None = None):
+                 seed_ntype: str | None = None, prefetch: str = "overlap",
+                 alternate_if_local: bool = False):
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
         self.pool = pool
+        self.prefetch = prefetch
+        self.alternate_if_local = alternate_if_local
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
         self.fanouts = list(fanouts)
@@ -200,7 +222,24 @@ class DistNodeDataLoader:
         owners = torch.searchsorted(self.offsets, batch, right=True) - 1
         return int(torch.bincount(owners).argmax())
 
-    def _submit(self, index: int, batch: Tensor) -> tuple[Handle, int | None]:
+    def alternating(self) -> bool:
+        """Whether requests go out in whole windows, taking turns with compute (see
+        ``prefetch``); under "auto" it turns on with the first reply in the ring."""
+        if self.prefetch != "auto":
+            return self.prefetch == "alternate"
+        return self.alternate_if_local and self.stats.ring_hits > 0
+
+    def _take(self, req: _InFlight) -> MFGReply:
+        """``req``'s reply, waiting for it (timed as ``wait_s``) unless already taken."""
+        if req.reply is None:
+            t0 = time.perf_counter()
+            req.reply = expect(self.pool.wait(req.handle), MFGReply,
+                               req.handle.channel.endpoint)
+            req.taken_at = time.perf_counter()
+            self.stats.wait_s += req.taken_at - t0
+        return req.reply
+
+    def _submit(self, index: int, batch: Tensor) -> _InFlight:
         req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
                             cache_ratio=self.cache_ratio, sample_seed=self.sample_seed(index),
@@ -220,7 +259,7 @@ class DistNodeDataLoader:
             return dataclasses.replace(msg, slot=self.ring.ref(slot))
 
         handle = self.pool.submit(self._owner(batch), req, before_send=offer)
-        return handle, (offered[0] if offered else None)
+        return _InFlight(handle, offered[0] if offered else None)
 
     def _features(self, reply: MFGReply, slot: int | None, handle: Handle) -> list[Tensor]:
         """Each NodeSet's input features (one per node type; a homogeneous MFG has one), in
@@ -334,18 +373,22 @@ class DistNodeDataLoader:
         ready = None
         try:
             while batches or inflight:
-                while batches and len(inflight) < self.max_inflight:
-                    inflight.append(self._submit(*batches.popleft()))
-                handle, slot = inflight[0]
-                t0 = time.perf_counter()
-                reply = expect(self.pool.wait(handle), MFGReply, handle.channel.endpoint)
+                alternate = self.alternating()
+                if batches and not (alternate and inflight):
+                    while batches and len(inflight) < self.max_inflight:
+                        inflight.append(self._submit(*batches.popleft()))
+                    if alternate:  # the whole window arrives before any of it is computed on
+                        self.stats.bursts += 1
+                        for req in inflight:
+                            self._take(req)
+                req = inflight[0]
+                reply = self._take(req)
                 inflight.popleft()
-                t1 = time.perf_counter()
-                self.stats.wait_s += t1 - t0
-                self.stats.wire_s += max(0.0, t1 - handle.sent_at
+                req.reply = None
+                self.stats.wire_s += max(0.0, req.taken_at - req.handle.sent_at
                                          - reply.timings.get("server_s", 0.0))
                 self.stats.add_server(reply.timings)
-                mfg = self._to_mfg(reply, slot, handle)
+                mfg = self._to_mfg(reply, req.slot, req.handle)
                 del reply
                 self.stats.batches += 1
                 self.stats.seeds += mfg.output_nodes.numel()
@@ -369,10 +412,10 @@ class DistNodeDataLoader:
         nothing waits for the requests still in flight. A server still sampling into a ring
         slot may write it later; those slots are never reused. (Waiting here could last
         another part's whole peer timeout: its server may be stuck on the lost part.)"""
-        for handle, slot in inflight:
-            self.pool.cancel(handle)
-            if slot is not None and self.ring is not None:
-                self.ring.poison(slot)
+        for req in inflight:
+            self.pool.cancel(req.handle)
+            if req.slot is not None and self.ring is not None:
+                self.ring.poison(req.slot)
         inflight.clear()
 
     def _abandon(self, inflight: deque) -> None:
@@ -381,11 +424,13 @@ class DistNodeDataLoader:
         (bounded by one request deadline in all, never failing over) and reuse a slot only
         when its server is done with it; the others are never reused."""
         deadline = Deadline(self.pool.timeout_s)
-        for handle, slot in inflight:
+        for req in inflight:
+            handle, slot = req.handle, req.slot
             if slot is None or self.ring is None:
                 self.pool.cancel(handle)
                 continue
-            done = self.pool.settle(handle, deadline)
+            # a reply already taken (prefetch alternate): its server is done with the slot
+            done = req.reply is not None or self.pool.settle(handle, deadline)
             if done and handle.attempts == 1:
                 self.ring.release(slot)
             else:

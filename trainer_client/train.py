@@ -636,13 +636,24 @@ def _make_cache(cfg: TrainerConfig, pool: ServerPool, info, device) -> FeatureCa
     return cache
 
 
+def threads_cover_cores(device: torch.device) -> bool:
+    """Whether this trainer computes on the CPU with more than one torch thread and at least
+    as many threads as the cores it may run on: a server on this host then shares cores with
+    those threads (``--prefetch auto`` alternates, see common/config.py's PREFETCH_HELP)."""
+    threads = torch.get_num_threads()
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return device.type == "cpu" and threads > 1 and threads >= cores
+
+
 def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, cache,
                   ring, splits: dict) -> tuple[DistNodeDataLoader, dict]:
     """The training loader and the valid/test loaders (splits too small for every rank to get
     a seed are not evaluated)."""
     # Deterministic sampling: the same MFGs in a resumed run as in an uninterrupted one.
     common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
-                  max_inflight=cfg.max_inflight, device=device,
+                  max_inflight=cfg.max_inflight, prefetch=cfg.prefetch,
+                  alternate_if_local=threads_cover_cores(device), device=device,
                   feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
                   ring=ring, deterministic=cfg.deterministic_sampling)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
@@ -775,6 +786,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "stages_s": stages,
         "malloc_retain_mb": _RETAINED_MB,  # 0: the allocator's defaults (see common/alloc.py)
         "shm_ring": _ring_summary(run, ring),
+        "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
+                     "bursts": run.train_loader.stats.bursts},
         "node_embedding": ({"dim": cfg.node_emb_dim, "bytes_per_server": emb_bytes,
                             "ntypes": featureless(run.info)}  # typed: the types it feeds
                            if emb_bytes is not None else None),

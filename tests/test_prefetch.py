@@ -1,0 +1,124 @@
+"""``--prefetch`` (trainer_client/loader.py) against real server processes: in "alternate"
+the trainer takes turns with the servers (no request is out while it holds a batch to
+compute on) and gets exactly the batches "overlap" gets; "auto" alternates only for a CPU
+trainer whose threads cover every core (``threads_cover_cores``) once a server on its host
+has written into its ring; a loop left in the middle of a window gives every slot back."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from common.shm_ring import ShmRing
+from partition.layout import load_partition
+from tests.test_mfg_oracle import start_cluster
+from trainer_client.loader import DistNodeDataLoader
+from trainer_client.server_pool import ServerPool
+from trainer_client.train import threads_cover_cores
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def pool2(server_factory, synth_parts2, tmp_path):
+    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
+    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
+    yield pool
+    pool.close()
+
+
+def _loader(pool, parts, ring, **kw) -> DistNodeDataLoader:
+    info = pool.info()
+    seeds = torch.cat([torch.from_numpy(np.array(load_partition(parts, p).train, dtype=np.int64))
+                       for p in range(info.num_parts)])
+    return DistNodeDataLoader(pool, seeds, info.node_offsets, fanouts=[5, 5], batch_size=64,
+                              shuffle=True, seed=3, ring=ring, max_inflight=3, **kw)
+
+
+def _walk(loader, pool) -> tuple[list, list[int]]:
+    """Each batch's (input nodes, features, labels), and the requests out at each yield."""
+    batches, out = [], []
+    for inputs, _, mfg in loader:
+        out.append(pool.outstanding())
+        batches.append((inputs.clone(), mfg[0].srcdata["feat"].clone(),
+                        mfg[-1].dstdata["label"].clone()))
+    return batches, out
+
+
+def test_alternate_takes_turns_with_the_servers(pool2, synth_parts2):
+    ring = ShmRing(5, 4 << 20)
+    over = _loader(pool2, synth_parts2, ring, prefetch="overlap")
+    alt = _loader(pool2, synth_parts2, ring, prefetch="alternate")
+    n = len(alt)
+    assert n > 2 * alt.max_inflight
+    want, out_over = _walk(over, pool2)
+    got, out_alt = _walk(alt, pool2)
+    # overlap keeps requests out while a batch is computed on; alternate never does
+    assert max(out_over) > 0 and out_alt == [0] * n, (out_over, out_alt)
+    assert alt.stats.bursts == math.ceil(n / alt.max_inflight) and over.stats.bursts == 0
+    assert alt.alternating() and not over.alternating()
+    # the same batches (deterministic sampling): only the timing of the requests differs
+    assert len(got) == len(want) == n
+    for (i0, f0, y0), (i1, f1, y1) in zip(want, got):
+        assert torch.equal(i0, i1) and torch.equal(f0, f1) and torch.equal(y0, y1)
+    assert alt.stats.ring_hits == n and not ring.poisoned and not ring.in_use
+    ring.close()
+
+
+@pytest.mark.parametrize("local,with_ring,alternates", [
+    (True, True, True),  # threads cover the cores, a server on this host: take turns
+    (False, True, False),  # cores to spare: the servers' work overlaps compute for free
+    (True, False, False),  # no ring, so no sign that a server shares this host
+])
+def test_auto_alternates_only_with_a_server_on_this_host(local, with_ring, alternates, pool2,
+                                                         synth_parts2):
+    ring = ShmRing(5, 4 << 20) if with_ring else None
+    loader = _loader(pool2, synth_parts2, ring, prefetch="auto", alternate_if_local=local)
+    assert not loader.alternating()  # nothing is known before the first reply
+    _, out = _walk(loader, pool2)
+    assert loader.alternating() == alternates
+    assert (loader.stats.bursts > 0) == alternates
+    if alternates:  # overlap until the first reply came through the ring, then turns
+        assert out[0] > 0 and out[-3:] == [0, 0, 0], out
+    if ring is not None:
+        ring.close()
+
+
+def test_leaving_a_window_early_returns_its_slots(pool2, synth_parts2):
+    """A loop left while replies of the window are taken but not yet handed out: their
+    servers are done with those slots, which come back (none poisoned)."""
+    ring = ShmRing(5, 4 << 20)
+    loader = _loader(pool2, synth_parts2, ring, prefetch="alternate")
+    it = iter(loader)
+    next(it)
+    assert pool2.outstanding() == 0
+    it.close()
+    del it
+    assert not ring.poisoned and not ring.in_use
+    assert sorted(ring.free + [s for s, _ in ring.pending]) == list(range(5))
+    ring.close()
+
+
+def test_unknown_prefetch_mode_is_refused(pool2, synth_parts2):
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        _loader(pool2, synth_parts2, None, prefetch="eager")
+
+
+def test_threads_cover_cores():
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(max(2, cores))
+        assert threads_cover_cores(torch.device("cpu"))
+        assert not threads_cover_cores(torch.device("cuda", 0))  # compute is on the GPU
+        torch.set_num_threads(1)
+        assert not threads_cover_cores(torch.device("cpu"))  # one thread has no barrier
+        if cores > 2:
+            torch.set_num_threads(cores - 1)  # a core left for the servers
+            assert not threads_cover_cores(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
