@@ -24,6 +24,16 @@ How:
   server may still write into it later.
 
 Slots are page aligned; the header takes the first page.
+
+First touches: a slot's pages are allocated (and zeroed) by the first write into them, and
+every mapping of the ring (the trainer's, each server process's) takes a page fault per
+4 KiB page the first time it touches it: about 2 microseconds each on a VM, so a products
+batch's 150 MB costs 70-145 ms per slot and mapping, once per run (docs/benchmarks.md,
+session 24). Fewer of them: a server's sampler threads share one :class:`ShmWriter`, so a
+server process maps each ring once; and before a range is first written (server) or read
+(trainer) it is populated in one call (``madvise`` ``MADV_POPULATE_WRITE`` /
+``MADV_POPULATE_READ``, Linux 5.14+), which takes 55-75 % of the time of faulting the same
+pages one at a time. Where the kernel lacks them, the pages fault in as usual.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -55,6 +66,48 @@ _PAGE = mmap.PAGESIZE
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+ (asm-generic/mman-common.h)
+
+
+def _libc_madvise():
+    """libc's ``madvise`` through ctypes (which releases the GIL for the call, unlike
+    ``mmap.madvise``: populating 150 MB takes ~0.1 s), or None off glibc/Linux."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise() if os.uname().sysname == "Linux" else None
+
+
+class _Populated:
+    """How far each slot of one mapping has been populated (see the module docstring)."""
+
+    def __init__(self, advice: int):
+        self.advice = advice
+        self.done: dict[int, int] = {}  # slot start address -> bytes from it populated
+        self.supported = _madvise is not None
+
+    def ensure(self, addr: int, nbytes: int) -> None:
+        """Populate ``[addr, addr + nbytes)`` (``addr``: a slot's page-aligned start in this
+        mapping) beyond what already is. Best effort: a kernel without the advice (EINVAL
+        before Linux 5.14) faults the pages in as they are used."""
+        done = self.done.get(addr, 0)
+        if nbytes <= done or not self.supported:
+            return
+        end = _round_up(nbytes, _PAGE)
+        if _madvise(addr + done, end - done, self.advice) != 0:  # type: ignore[misc]
+            self.supported = False
+            return
+        self.done[addr] = end
 
 
 @dataclass(frozen=True)
@@ -104,6 +157,7 @@ class ShmRing:
         self.mm[:HEADER_BYTES] = _header(self.token, self.slot_bytes, num_slots).ljust(
             HEADER_BYTES, b"\0")
         self.base = np.frombuffer(self.mm, dtype=np.uint8)
+        self.populated = _Populated(MADV_POPULATE_READ)
         self.pinned = False
         if pin:
             self.pinned = _cuda_host_register(self.base)
@@ -158,6 +212,7 @@ class ShmRing:
                                 f"{self.slot_bytes}")
         start = HEADER_BYTES + slot * self.slot_bytes
         arr = self.base[start:start + nbytes]  # a new array object: the finalizer's anchor
+        self.populated.ensure(arr.ctypes.data, nbytes)  # the server's pages, in one call
         weakref.finalize(arr, on_release or self.release, slot)
         return torch.from_numpy(arr).view(dtype).view(rows, cols)
 
@@ -207,11 +262,15 @@ class ShmError(Exception):
 
 class ShmWriter:
     """The server's side: maps trainers' rings on first use and keeps the mapping while it is
-    used (dropped after ``idle_s`` without use, so a finished trainer's memory is freed)."""
+    used (dropped after ``idle_s`` without use, so a finished trainer's memory is freed).
+    One per server process, shared by its sampler threads (thread-safe): each ring is mapped,
+    and each page faulted in, once per process."""
 
     def __init__(self, idle_s: float = 10.0):
         self.idle_s = idle_s
-        self.maps: dict[tuple[int, int, str], list] = {}  # key -> [mmap, size, last_used]
+        # key -> [mmap, size, last_used, _Populated]
+        self.maps: dict[tuple[int, int, str], list] = {}
+        self._lock = threading.Lock()
 
     def _open(self, ref: SlotRef) -> list:
         key = (ref.pid, ref.fd, ref.token)
@@ -241,7 +300,7 @@ class ShmWriter:
             mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
-        entry = [mm, st.st_size, time.monotonic()]
+        entry = [mm, st.st_size, time.monotonic(), _Populated(MADV_POPULATE_WRITE)]
         self.maps[key] = entry
         return entry
 
@@ -251,25 +310,29 @@ class ShmWriter:
         nbytes = rows * cols * dtype.itemsize
         if nbytes > ref.capacity:
             return None
-        mm, size, _ = self._open(ref)
-        if ref.offset + ref.capacity > size:
-            raise ShmError(f"slot [{ref.offset}, +{ref.capacity}) is outside the ring "
-                           f"({size} bytes)")
-        if nbytes == 0:
-            return torch.empty((rows, cols), dtype=dtype)
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes,
-                                offset=ref.offset).view(dtype).view(rows, cols)
+        with self._lock:  # the view exists before expire() (same lock) may unmap the ring
+            mm, size, _, populated = self._open(ref)
+            if ref.offset + ref.capacity > size:
+                raise ShmError(f"slot [{ref.offset}, +{ref.capacity}) is outside the ring "
+                               f"({size} bytes)")
+            if nbytes == 0:
+                return torch.empty((rows, cols), dtype=dtype)
+            view = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes,
+                                    offset=ref.offset).view(dtype).view(rows, cols)
+        populated.ensure(view.data_ptr(), nbytes)  # outside the lock: other threads go on
+        return view
 
     def expire(self) -> None:
         """Unmap rings idle for ``idle_s`` (their trainers are likely gone)."""
         now = time.monotonic()
-        for key, (mm, _, last) in list(self.maps.items()):
-            if now - last > self.idle_s:
-                try:
-                    mm.close()
-                except BufferError:
-                    continue  # a tensor still views it (a request in progress)
-                del self.maps[key]
+        with self._lock:
+            for key, (mm, _, last, _) in list(self.maps.items()):
+                if now - last > self.idle_s:
+                    try:
+                        mm.close()
+                    except BufferError:
+                        continue  # a tensor still views it (a request in progress)
+                    del self.maps[key]
 
     def close(self) -> None:
         self.idle_s = -1.0

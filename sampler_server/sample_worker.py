@@ -117,7 +117,7 @@ def typed_fanouts(msg: SampleRequest, store: PartitionStore) -> list[list[int]] 
 class SampleWorker:
     def __init__(self, cfg: ServerConfig, store: PartitionStore, hot_rank,
                  ctx: zmq.Context, cluster: ClusterSpec | None, keys: CurveKeys | None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, shm: ShmWriter | None = None):
         self.cfg = cfg
         self.store = store
         self.hot_rank = hot_rank
@@ -125,7 +125,8 @@ class SampleWorker:
         self.peers = (WirePeers(ctx, cluster, cfg, curve=keys, set_id=store.meta.set_id,
                                 stop=stop) if cluster else None)
         self.scratch = new_scratch(store.meta.num_nodes)
-        self.shm = ShmWriter()
+        # shm: the writer this process's sampler threads share (each ring mapped once)
+        self.shm = shm if shm is not None else ShmWriter()
 
     def close(self) -> None:
         self.shm.close()
@@ -157,10 +158,12 @@ class SampleWorker:
         sizes = [ids.numel() for ids in node_sets]
         error = ""
         if msg.slot is not None:
-            try:
+            t0 = time.perf_counter()
+            try:  # counted as gather time: the first use of a slot's pages populates them
                 slot = self.shm.target(msg.slot, nodes.numel(), dim, want)
             except ShmError as e:
                 slot, error = None, str(e)
+            neighbors.timings.gather_s += time.perf_counter() - t0
             if slot is not None:  # gather straight into the trainer's ring slot
                 neighbors.gather(nodes, True, False, out=slot)
                 del slot  # release the mapping's buffer export

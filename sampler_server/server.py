@@ -63,6 +63,7 @@ from common.messages import (
     StatsRequest,
 )
 from common.service import Call, Service, Transport
+from common.shm_ring import ShmWriter
 from common.sockets import read_token
 from partition.layout import load_hot_rank
 from sampler_server.node_tensors import NodeTensorStore
@@ -185,8 +186,9 @@ def make_executor(cfg: ServerConfig, store: PartitionStore, hot_rank,
         return ProcessExecutor(lambda backend, i: worker_argv(cfg, backend, i),
                                cfg.sampler_procs, cfg.max_queue, cfg.peer_timeout_s + 2)
     keys = peer_keys(cfg, cluster)
+    shm = ShmWriter()  # one per process: a trainer's ring is mapped (and faulted in) once
     return ThreadExecutor(lambda ctx: SampleWorker(cfg, store, hot_rank, ctx, cluster, keys,
-                                                   stop=stop),
+                                                   stop=stop, shm=shm),
                           cfg.num_workers, cfg.max_queue, cfg.peer_timeout_s + 1)
 
 
