@@ -27,7 +27,6 @@ import os
 import queue
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from common import codec
 from common.errors import ChildFailedError
 from common.lifetime import die_with_parent
 from common.messages import Message, SampleJob, SampleResult, WorkerReady, WorkerStop
+from common.rundirs import make_run_dir, remove_stale_run_dirs
 from common.service import Call, Service, error_reply
 from common.sockets import make_socket
 from common.stats import SampleCounts
@@ -239,7 +239,8 @@ class ProcessExecutor(Executor):
     def start(self, service: Service) -> None:
         """Start the processes and wait until each has loaded (it says WorkerReady)."""
         super().start(service)
-        self.dir = tempfile.mkdtemp(prefix="mfgserve-samplers-")  # 0700
+        remove_stale_run_dirs()  # left by servers killed with SIGKILL (common/rundirs.py)
+        self.dir = str(make_run_dir("samplers-"))  # 0700: the backend socket
         backend = f"ipc://{self.dir}/backend.sock"
         self.backend = make_socket(service.ctx, zmq.ROUTER, backend, bind=True, hwm=0)
         try:

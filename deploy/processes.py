@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from threading import Thread
 
-import psutil
-
 from common.lifetime import die_with_parent
+from common.rundirs import (  # noqa: F401 - re-exported: launchers import them from here
+    OWNER_FILE,
+    RUN_DIR_PREFIX,
+    make_run_dir,
+    remove_stale_run_dirs,
+)
 
 _EOL = re.compile(rb"\r\n?|\n")
 
@@ -158,40 +159,3 @@ class ProcessGroup:
             c.proc.poll()
 
 
-RUN_DIR_PREFIX = "mfgserve-"
-OWNER_FILE = "launcher.pid"
-
-
-def make_run_dir() -> Path:
-    """A private (0700) run directory for sockets and files of one launch, recording the
-    launcher's pid so that a later launch can tell it is stale."""
-    run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
-    (run_dir / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
-    return run_dir
-
-
-def _start_time(pid: int) -> float:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return 0.0
-
-
-def remove_stale_run_dirs(parent: str | None = None) -> list[str]:
-    """Delete run directories left by launchers that no longer run (killed with SIGKILL, so
-    no cleanup ran); returns what was removed. Directories of live launchers are kept."""
-    removed = []
-    for d in Path(parent or tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*"):
-        owner = d / OWNER_FILE
-        try:
-            if not d.is_dir() or d.stat().st_uid != os.getuid() or not owner.is_file():
-                continue
-            pid_text, started = owner.read_text().split()
-            pid = int(pid_text)
-        except (OSError, ValueError):
-            continue
-        alive = psutil.pid_exists(pid) and abs(_start_time(pid) - float(started)) < 1.0
-        if not alive:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(str(d))
-    return removed

@@ -19,7 +19,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from common.config import ServerNodeConfig, add_config_args, load_config
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
 from common.sockets import new_token_file
-from deploy.processes import ProcessGroup, free_tcp_port
+from deploy.processes import ProcessGroup, free_tcp_port, make_run_dir, remove_stale_run_dirs
 from deploy.server_group import LaunchError, server_argv, shutdown_servers, wait_ready
 from partition.layout import PartitionSetMeta
 
@@ -71,7 +70,10 @@ def run(node: ServerNodeConfig) -> int:
     cluster_file, mine = plan(node, meta.num_parts)
     group = ProcessGroup()
     servers = [(f"server p{p} {ep}", ep) for p, ep in mine]
-    secret_dir = tempfile.mkdtemp(prefix="mfgserve-node-")  # 0700: the shutdown token
+    for stale in remove_stale_run_dirs():
+        print(f"server-node: removed {stale}, left by a process that was killed",
+              file=sys.stderr)
+    secret_dir = str(make_run_dir("node-"))  # 0700: the shutdown token, ready files
     token_file = os.path.join(secret_dir, "shutdown.token")
     token = new_token_file(token_file)
     try:

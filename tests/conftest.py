@@ -92,3 +92,15 @@ def server_factory(tmp_path):
 
     yield start
     stop_all(started)  # every server, then the first failure
+
+
+@pytest.fixture
+def pool2(server_factory, synth_parts2, tmp_path):
+    """A trainer's ServerPool over real servers of the 2-part synthetic set (one per part)."""
+    from tests.test_mfg_oracle import start_cluster
+    from trainer_client.server_pool import ServerPool
+
+    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
+    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
+    yield pool
+    pool.close()

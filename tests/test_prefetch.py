@@ -15,20 +15,10 @@ import torch
 
 from common.shm_ring import ShmRing
 from partition.layout import load_partition
-from tests.test_mfg_oracle import start_cluster
 from trainer_client.loader import DistNodeDataLoader
-from trainer_client.server_pool import ServerPool
 from trainer_client.train import threads_cover_cores
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def pool2(server_factory, synth_parts2, tmp_path):
-    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
-    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
-    yield pool
-    pool.close()
 
 
 def _loader(pool, parts, ring, **kw) -> DistNodeDataLoader:

@@ -92,3 +92,23 @@ def test_killed_server_takes_its_workers(server_factory, synth_parts1, tmp_path)
                                               for w in workers):
         time.sleep(0.1)
     assert not any(w.is_running() and w.status() != "zombie" for w in workers)
+
+
+def test_next_server_removes_a_killed_servers_directory(server_factory, synth_parts1, tmp_path,
+                                                        monkeypatch):
+    """A server with sampler processes keeps their socket in a private directory; killed with
+    SIGKILL it cannot remove it, so the next server with sampler processes does
+    (common/rundirs.py) and keeps its own."""
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the servers' temporary directory
+    _, (server,) = _cluster(server_factory, synth_parts1, tmp_path, 1)
+    (left,) = tmp.glob("mfgserve-samplers-*")
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    server.checked = True
+    assert left.is_dir()  # nothing ran to remove it
+    server_factory(synth_parts1, 0, endpoint=f"ipc://{tmp_path}/again.sock",
+                   extra=["--sampler-procs", "1"])
+    assert not left.exists()
+    assert len(list(tmp.glob("mfgserve-samplers-*"))) == 1  # the running server's own

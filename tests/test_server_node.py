@@ -4,6 +4,7 @@ serves consecutive training jobs, and stops everything on SIGTERM or when a serv
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,12 +17,12 @@ from procs import REPO, run_cli
 pytestmark = pytest.mark.timeout(240)
 
 
-def _start_node(parts, cluster_out) -> tuple[subprocess.Popen, dict]:
+def _start_node(parts, cluster_out, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, "-m", "deploy.server_node", "--parts", str(parts),
                              "--cluster-out", str(cluster_out), "--host", "127.0.0.1",
                              "--num-workers", "1"], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, env=env)
     line = proc.stdout.readline()  # the "ready" line; the node's servers answer pings
     if not line:
         proc.kill()
@@ -65,3 +66,28 @@ def test_node_stops_all_when_a_server_dies(synth_parts2, tmp_path):
         assert not alive
     finally:
         proc.kill()
+
+
+def test_next_node_removes_a_killed_nodes_directory(synth_parts2, tmp_path):
+    """server-node keeps its shutdown token and ready files in a private directory; killed
+    with SIGKILL (its servers die with it) it leaves it behind, and the next server-node
+    removes it and says so."""
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc, _ = _start_node(synth_parts2, tmp_path / "cluster.yaml", env)
+    kids = psutil.Process(proc.pid).children()
+    (left,) = tmp.glob("mfgserve-node-*")
+    proc.kill()
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(kids, timeout=15)
+    assert not alive and left.is_dir()
+    again, _ = _start_node(synth_parts2, tmp_path / "cluster2.yaml", env)
+    try:
+        assert not left.exists()
+        again.send_signal(signal.SIGTERM)
+        _, err = again.communicate(timeout=30)
+        assert again.returncode == 0 and f"removed {left}" in err, err[-3000:]
+        assert not list(tmp.glob("mfgserve-node-*"))  # the second removed its own on exit
+    finally:
+        again.kill()

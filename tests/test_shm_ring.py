@@ -40,14 +40,6 @@ def _check_rows(mfg, graph, oracle):
                                else 0, atol=1e-2 if got.element_size() == 2 else 0)
 
 
-@pytest.fixture
-def pool2(server_factory, synth_parts2, tmp_path):
-    cluster = start_cluster(server_factory, synth_parts2, tmp_path, 2)
-    pool = ServerPool(cluster, timeout_s=30, max_message_bytes=64 << 20)
-    yield pool
-    pool.close()
-
-
 @pytest.mark.parametrize("feat_transfer,cache_ratio", [("", 0.0), ("float16", 0.0),
                                                        ("", 0.25)])
 def test_features_arrive_in_ring(feat_transfer, cache_ratio, pool2, synth_graph, synth_parts2):
