@@ -16,6 +16,7 @@ from rpc_helpers import call
 from common.cluster import ClusterSpec
 from common.errors import MfgServeError
 from common.messages import Ping, Pong, StatsReply, StatsRequest
+from common.shm_ring import ShmRing
 from partition.layout import PartitionSetMeta
 from trainer_client.loader import DistNodeDataLoader
 from trainer_client.server_pool import ServerPool
@@ -47,14 +48,20 @@ def _loader(pool: ServerPool, parts, **kw) -> DistNodeDataLoader:
                               max_inflight=6, shuffle=True, seed=3, **kw)
 
 
-def test_replica_death_mid_epoch_exactly_once(server_factory, synth_parts2, tmp_path):
+@pytest.mark.parametrize("prefetch", ["overlap", "alternate"])
+def test_replica_death_mid_epoch_exactly_once(prefetch, server_factory, synth_parts2,
+                                              tmp_path):
+    """Also as a one-trainer worker-mode run does it by default: replies in the ring and
+    requests sent a window at once (``--prefetch auto`` alternates there), the replica dying
+    while the trainer waits for a whole window."""
     cluster, path = _cluster(tmp_path, 2, replicas=2)
     servers = _start(server_factory, synth_parts2, cluster, path)
     victim_ep = cluster.partitions[0][0]
     victim = servers[victim_ep]
     pool = ServerPool(cluster, timeout_s=60, max_message_bytes=64 << 20)
+    ring = ShmRing(8, 4 << 20) if prefetch == "alternate" else None
     try:
-        loader = _loader(pool, synth_parts2)
+        loader = _loader(pool, synth_parts2, prefetch=prefetch, ring=ring)
         assert len(loader) >= 20
         seen = []
         killer = None
@@ -75,6 +82,8 @@ def test_replica_death_mid_epoch_exactly_once(server_factory, synth_parts2, tmp_
         assert torch.equal(torch.sort(seen_all).values, torch.sort(loader.seeds).values)
         assert pool.failovers >= 1, "requests in flight on the dead replica were not re-sent"
         assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+        if ring is not None:
+            assert loader.stats.bursts > 0 and loader.stats.ring_hits > 0
 
         # A restarted server at the same endpoint is picked up again.
         servers[victim_ep] = server_factory(synth_parts2, 0, cluster=path, endpoint=victim_ep)
@@ -89,6 +98,8 @@ def test_replica_death_mid_epoch_exactly_once(server_factory, synth_parts2, tmp_
         assert isinstance(stats, StatsReply) and stats.values["sample_requests"] > 0
     finally:
         pool.close()
+        if ring is not None:
+            ring.close()
     victim.stop_and_check(expect_code=None)  # the killed one; the restarted one is checked
 
 
