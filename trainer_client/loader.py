@@ -62,6 +62,7 @@ from trainer_client.server_pool import Handle, ServerPool
 
 log = logging.getLogger("mfgserve.trainer")
 
+
 @dataclass
 class _InFlight:
     """A request in flight: its handle, its ring slot, and its reply once taken."""
