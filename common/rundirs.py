@@ -7,7 +7,8 @@ Killed with SIGKILL, a process runs no cleanup and leaves its directory behind; 
 launcher, server-node or server with sampler processes started by the same user calls
 :func:`remove_stale_run_dirs`, which deletes every such directory whose owner no longer runs
 (a pid that exists but started at another time is a reused pid: its directory goes too).
-Directories without an owner file, or of other users, are never touched.
+Directories without an owner file, of other users, or made in another pid namespace (a
+container sharing this temporary directory: its pids mean nothing here) are never touched.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ def make_run_dir(kind: str = "") -> Path:
     """A private (0700) directory ``mfgserve-<kind>XXXXXXXX`` in the temporary directory,
     recording this process's pid and start time so that a later start can tell it is stale."""
     run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX + kind))
-    (run_dir / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
+    (run_dir / OWNER_FILE).write_text(
+        f"{os.getpid()} {_start_time(os.getpid())} {_pid_namespace()}")
     return run_dir
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode; 0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _start_time(pid: int) -> float:
@@ -47,11 +57,14 @@ def remove_stale_run_dirs(parent: str | None = None) -> list[str]:
         try:
             if not d.is_dir() or d.stat().st_uid != os.getuid() or not owner.is_file():
                 continue
-            pid_text, started = owner.read_text().split()
-            pid = int(pid_text)
-        except (OSError, ValueError):
+            fields = owner.read_text().split()
+            pid, started = int(fields[0]), float(fields[1])
+            namespace = int(fields[2]) if len(fields) > 2 else _pid_namespace()
+        except (OSError, ValueError, IndexError):
             continue
-        alive = psutil.pid_exists(pid) and abs(_start_time(pid) - float(started)) < 1.0
+        if namespace != _pid_namespace():
+            continue  # another pid namespace's process: its pid cannot be checked here
+        alive = psutil.pid_exists(pid) and abs(_start_time(pid) - started) < 1.0
         if not alive:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(str(d))

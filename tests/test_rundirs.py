@@ -37,8 +37,13 @@ def test_only_directories_of_dead_owners_go(tmp_path, monkeypatch):
     (garbled / OWNER_FILE).write_text("not a pid")
     other = tmp_path / "unrelated"
     other.mkdir()
+    elsewhere = make_run_dir()  # a dead pid, but in another pid namespace: left alone
+    (elsewhere / OWNER_FILE).write_text("999999999 1.0 1")
+    old_format = make_run_dir()  # written before the namespace field: this namespace
+    (old_format / OWNER_FILE).write_text("999999999 1.0")
     removed = remove_stale_run_dirs()
-    assert sorted(removed) == sorted([str(dead), str(reused)])
-    assert not dead.exists() and not reused.exists()
+    assert sorted(removed) == sorted([str(dead), str(reused), str(old_format)])
+    assert not dead.exists() and not reused.exists() and not old_format.exists()
     assert mine.is_dir() and no_owner.is_dir() and garbled.is_dir() and other.is_dir()
+    assert elsewhere.is_dir()
     assert remove_stale_run_dirs() == []
