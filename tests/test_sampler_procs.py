@@ -81,7 +81,8 @@ def test_dead_sampler_process_stops_its_server(server_factory, synth_parts1, tmp
     assert "sampler process" in server.log.read_text()
 
 
-def test_killed_server_takes_its_workers(server_factory, synth_parts1, tmp_path):
+def test_killed_server_takes_its_workers(server_factory, synth_parts1, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the killed server's directory stays there
     _, (server,) = _cluster(server_factory, synth_parts1, tmp_path, 1)
     workers = _workers(server)
     os.kill(server.proc.pid, signal.SIGKILL)
