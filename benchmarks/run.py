@@ -313,7 +313,8 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
         raise RuntimeError(f"worker-mode printed no JSON summary as its last line: {e}") from e
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
             "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
-            "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring")
+            "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
+            "prefetch")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \
         summary.get("num_trainers", 1)
@@ -650,7 +651,8 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
             "num_trainers": args.num_trainers, "ddp_procs": args.ddp_procs,
             "num_threads": args.num_threads, "server_workers": args.server_workers,
-            "inflight": args.inflight, "seed": args.seed, "skip": args.skip,
+            "inflight": args.inflight, "prefetch": args.prefetch, "seed": args.seed,
+            "skip": args.skip,
             "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer,
             "sampler_procs": args.sampler_procs,
             "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring,

@@ -44,12 +44,14 @@ def test_dropout_rows_on_both_sides_and_seed_model_headline(summary):
     assert set(summary["graphs"]) == {"products"}
     assert summary["config"]["dropouts"] == [0.0, 0.5]
     assert summary["config"]["headline_dropout"] == 0.0
+    assert summary["config"]["prefetch"] == "auto"  # worker-mode's default, recorded
     res = summary["results"]["products"]
     for d, p in (("d0", 0.0), ("d0.5", 0.5)):
         dgl, ours = res[f"dgl_train_w0_{d}"], res[f"worker_mode_{d}"]
         assert dgl["dropout"] == p and ours["dropout"] == p
         assert dgl["seeds_per_s"] > 0 and ours["seeds_per_s"] > 0
         assert ours["exit_code"] == 0
+        assert ours["prefetch"]["mode"] == "auto"  # and what the trainer made of it
     ratios = summary["ratios"]["products"]
     for d in ("d0", "d0.5"):
         assert ratios[f"train_seeds_per_s_{d}"] > 0
