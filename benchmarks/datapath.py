@@ -164,7 +164,8 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
     import zmq
 
     from common.config import ServerConfig, TrainerConfig, WorkerModeConfig
-    from deploy.processes import ProcessGroup, make_run_dir
+    from common.rundirs import make_run_dir
+    from deploy.processes import ProcessGroup
     from deploy.server_group import shutdown_servers
     from deploy.worker_mode import start_servers
     from partition.layout import PartitionSetMeta

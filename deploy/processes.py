@@ -21,12 +21,6 @@ from dataclasses import dataclass, field
 from threading import Thread
 
 from common.lifetime import die_with_parent
-from common.rundirs import (  # noqa: F401 - re-exported: launchers import them from here
-    OWNER_FILE,
-    RUN_DIR_PREFIX,
-    make_run_dir,
-    remove_stale_run_dirs,
-)
 
 _EOL = re.compile(rb"\r\n?|\n")
 

@@ -27,8 +27,9 @@ from common.cluster import ClusterSpec
 from common.config import ServerNodeConfig, add_config_args, load_config
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
+from common.rundirs import make_run_dir, remove_stale_run_dirs
 from common.sockets import new_token_file
-from deploy.processes import ProcessGroup, free_tcp_port, make_run_dir, remove_stale_run_dirs
+from deploy.processes import ProcessGroup, free_tcp_port
 from deploy.server_group import LaunchError, server_argv, shutdown_servers, wait_ready
 from partition.layout import PartitionSetMeta
 

@@ -52,14 +52,9 @@ from common.config import (
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
 from common.logs import bars_allowed
+from common.rundirs import make_run_dir, remove_stale_run_dirs
 from common.sockets import new_token_file
-from deploy.processes import (
-    Child,
-    ProcessGroup,
-    free_tcp_port,
-    make_run_dir,
-    remove_stale_run_dirs,
-)
+from deploy.processes import Child, ProcessGroup, free_tcp_port
 from deploy.server_group import LaunchError, server_argv, shutdown_servers, wait_ready
 from partition.layout import PartitionFormatError, PartitionSetMeta
 from trainer_client.run_dir import new_run_name, newest_resumable_run, write_json_atomic
