@@ -260,6 +260,16 @@ class ShmError(Exception):
     """The slot a request names cannot be used; the text says why (sent back to the trainer)."""
 
 
+@dataclass
+class _Mapped:
+    """A trainer's ring as one server process maps it."""
+
+    mm: mmap.mmap
+    size: int
+    last_used: float
+    populated: _Populated
+
+
 class ShmWriter:
     """The server's side: maps trainers' rings on first use and keeps the mapping while it is
     used (dropped after ``idle_s`` without use, so a finished trainer's memory is freed).
@@ -268,15 +278,14 @@ class ShmWriter:
 
     def __init__(self, idle_s: float = 10.0):
         self.idle_s = idle_s
-        # key -> [mmap, size, last_used, _Populated]
-        self.maps: dict[tuple[int, int, str], list] = {}
+        self.maps: dict[tuple[int, int, str], _Mapped] = {}
         self._lock = threading.Lock()
 
-    def _open(self, ref: SlotRef) -> list:
+    def _open(self, ref: SlotRef) -> _Mapped:
         key = (ref.pid, ref.fd, ref.token)
         entry = self.maps.get(key)
         if entry is not None:
-            entry[2] = time.monotonic()
+            entry.last_used = time.monotonic()
             return entry
         path = f"/proc/{ref.pid}/fd/{ref.fd}"
         try:
@@ -300,7 +309,7 @@ class ShmWriter:
             mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
-        entry = [mm, st.st_size, time.monotonic(), _Populated(MADV_POPULATE_WRITE)]
+        entry = _Mapped(mm, st.st_size, time.monotonic(), _Populated(MADV_POPULATE_WRITE))
         self.maps[key] = entry
         return entry
 
@@ -311,25 +320,25 @@ class ShmWriter:
         if nbytes > ref.capacity:
             return None
         with self._lock:  # the view exists before expire() (same lock) may unmap the ring
-            mm, size, _, populated = self._open(ref)
-            if ref.offset + ref.capacity > size:
+            ring = self._open(ref)
+            if ref.offset + ref.capacity > ring.size:
                 raise ShmError(f"slot [{ref.offset}, +{ref.capacity}) is outside the ring "
-                               f"({size} bytes)")
+                               f"({ring.size} bytes)")
             if nbytes == 0:
                 return torch.empty((rows, cols), dtype=dtype)
-            view = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes,
+            view = torch.frombuffer(ring.mm, dtype=torch.uint8, count=nbytes,
                                     offset=ref.offset).view(dtype).view(rows, cols)
-        populated.ensure(view.data_ptr(), nbytes)  # outside the lock: other threads go on
+        ring.populated.ensure(view.data_ptr(), nbytes)  # outside the lock: others go on
         return view
 
     def expire(self) -> None:
         """Unmap rings idle for ``idle_s`` (their trainers are likely gone)."""
         now = time.monotonic()
         with self._lock:
-            for key, (mm, _, last, _) in list(self.maps.items()):
-                if now - last > self.idle_s:
+            for key, ring in list(self.maps.items()):
+                if now - ring.last_used > self.idle_s:
                     try:
-                        mm.close()
+                        ring.mm.close()
                     except BufferError:
                         continue  # a tensor still views it (a request in progress)
                     del self.maps[key]

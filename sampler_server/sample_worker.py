@@ -125,11 +125,14 @@ class SampleWorker:
         self.peers = (WirePeers(ctx, cluster, cfg, curve=keys, set_id=store.meta.set_id,
                                 stop=stop) if cluster else None)
         self.scratch = new_scratch(store.meta.num_nodes)
-        # shm: the writer this process's sampler threads share (each ring mapped once)
+        # shm: the writer this process's sampler threads share (each ring mapped once); a
+        # worker closes only a writer of its own (the shared one lives as long as the process)
+        self.own_shm = shm is None
         self.shm = shm if shm is not None else ShmWriter()
 
     def close(self) -> None:
-        self.shm.close()
+        if self.own_shm:
+            self.shm.close()
         if self.peers:
             self.peers.close()
 

@@ -185,7 +185,7 @@ def test_first_use_of_a_slot_is_populated_in_one_call():
     ref = ring.ref(slot)
     rows, cols = 4096, 256  # 4 MiB of float32
     t = writer.target(ref, rows, cols, torch.float32)
-    (populated,) = [e[3] for e in writer.maps.values()]
+    (populated,) = [m.populated for m in writer.maps.values()]
     if not populated.supported:
         pytest.skip("kernel without MADV_POPULATE_WRITE (Linux < 5.14)")
     assert populated.done == {t.data_ptr(): 4 << 20}
