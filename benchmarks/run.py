@@ -25,6 +25,16 @@ Measurements per family, in this order (each can be skipped with ``--skip``):
 
 and once per run ``wire`` (the codec against raw zmq frames, no graph).
 
+``--rounds N`` (N > 1) measures the end-to-end training rows (``dgl-train`` and ``worker``,
+each dropout) N times per family, alternating which side goes first: round 1 is the order
+above (DGL first), round 2 runs worker mode first, round 3 DGL first again, and so on. Round
+r > 1 stores its results as ``<name>_r<r>`` (``dgl_train_w0_d0_r2``, ``worker_mode_d0_r2``).
+Each round's ratio pairs the two sides measured next to each other, against that round's
+best DGL configuration; a row's ratio is the **median of its rounds' ratios** (the list is
+``train_seeds_per_s_<d>_rounds``), and its seeds/s per side the median over rounds. On a
+shared machine whose speed drifts by tens of percent within minutes, a single round's ratio
+moves with the drift; pairs measured back to back move together.
+
 Output: progress and a human-readable table on stderr; the LAST stdout line is one JSON object
 ``{"machine", "config", "families", "graphs", "results", "ratios", "headline", "comparison",
 "wire", "errors", "wall_s", "command"}``; ``results`` and ``ratios`` are keyed by family.
@@ -41,6 +51,7 @@ import importlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -167,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
     p.add_argument("--hidden", type=int, default=256, help="GraphSAGE hidden size (256)")
     p.add_argument("--epochs", type=int, default=1, help="training epochs (default 1)")
+    p.add_argument("--rounds", type=_positive_int, default=1,
+                   help="measure the end-to-end training rows (DGL and worker mode, each "
+                        "dropout) this many times per family, alternating which side goes "
+                        "first; a row's ratio is then the median of the rounds' ratios, each "
+                        "pairing two runs made back to back, so that a machine whose speed "
+                        "drifts moves both sides of a round alike (default 1; 3 on a shared "
+                        "machine)")
     p.add_argument("--max-batches", type=int, default=None,
                    help="cap on DGL training batches per epoch (per process under DDP) and "
                         "per evaluation pass, and the batch count of the sample-only "
@@ -378,39 +396,85 @@ class Steps:
                 self.module_results.setdefault(family, []).append(k)
 
 
+def _dgl_warmup(fg, args: argparse.Namespace) -> None:
+    """One-time costs of this process (lazy imports, thread pools, first touches of a freshly
+    loaded graph) would otherwise land on the first configuration alone, the headline's DGL
+    side: a short untimed run first. (worker-mode's trainer is a fresh process every time:
+    its first batch stays in its figure, so this can only favour DGL.)"""
+    from benchmarks import dgl_pipeline
+
+    t0 = time.perf_counter()
+    dgl_pipeline.train_dgl(fg, args.fanouts, args.batch_size, 1, hidden=args.hidden,
+                           max_batches=DGL_WARMUP_BATCHES, seed=args.seed,
+                           dropout=args.dropout[0], num_threads=args.num_threads)
+    log(f"DGL warm-up ({DGL_WARMUP_BATCHES} batches, untimed) took "
+        f"{time.perf_counter() - t0:.1f}s")
+
+
+def _dgl_train(steps: Steps, family: str, fg, args: argparse.Namespace, p: float,
+               suffix: str = "") -> None:
+    """DGL training at dropout ``p``, once per ``--dgl-workers`` value."""
+    from benchmarks import dgl_pipeline
+
+    for w in args.dgl_workers:
+        steps.run(family, f"dgl_train_w{w}_{dlabel(p)}{suffix}",
+                  lambda w=w: dgl_pipeline.train_dgl(
+                      fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
+                      num_workers=w, max_batches=args.max_batches, seed=args.seed,
+                      dropout=p, lr=LR, weight_decay=WEIGHT_DECAY,
+                      num_threads=args.num_threads))
+
+
 def measure_dgl(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
                 sample_batches: int) -> None:
     """The DGL steps: training for each dropout and ``--dgl-workers`` value, then sample +
     gather. The full graph is freed when this returns."""
     from benchmarks import dgl_pipeline
 
-    log(f"loading the full graph for DGL from {parts}")
-    fg = dgl_pipeline.load_full_graph(parts)
-    log(f"loaded in {fg.load_s:.1f}s")
+    fg = _load_full_graph(parts)
     if "dgl-train" not in args.skip:
-        # One-time costs of this process (lazy imports, thread pools, first touches) would
-        # otherwise land on the first configuration alone, the headline's DGL side: a short
-        # untimed run first. (worker-mode's trainer is a fresh process every time: its first
-        # batch stays in its figure, so this can only favour DGL.)
-        t0 = time.perf_counter()
-        dgl_pipeline.train_dgl(fg, args.fanouts, args.batch_size, 1, hidden=args.hidden,
-                               max_batches=DGL_WARMUP_BATCHES, seed=args.seed,
-                               dropout=args.dropout[0], num_threads=args.num_threads)
-        log(f"DGL warm-up ({DGL_WARMUP_BATCHES} batches, untimed) took "
-            f"{time.perf_counter() - t0:.1f}s")
+        _dgl_warmup(fg, args)
         for p in args.dropout:
-            for w in args.dgl_workers:
-                steps.run(family, f"dgl_train_w{w}_{dlabel(p)}",
-                          lambda w=w, p=p: dgl_pipeline.train_dgl(
-                              fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
-                              num_workers=w, max_batches=args.max_batches, seed=args.seed,
-                              dropout=p, lr=LR, weight_decay=WEIGHT_DECAY,
-                              num_threads=args.num_threads))
+            _dgl_train(steps, family, fg, args, p)
     if "dgl-sample" not in args.skip:
         for w in args.dgl_workers:
             steps.run(family, f"dgl_sample_w{w}", lambda w=w: dgl_pipeline.sample_only_dgl(
                 fg, args.fanouts, args.batch_size, sample_batches, num_workers=w,
                 seed=args.seed, num_threads=args.num_threads))
+
+
+def _load_full_graph(parts: Path):
+    from benchmarks import dgl_pipeline
+
+    log(f"loading the full graph for DGL from {parts}")
+    fg = dgl_pipeline.load_full_graph(parts)
+    log(f"loaded in {fg.load_s:.1f}s")
+    return fg
+
+
+def measure_rounds(steps: Steps, family: str, parts: Path, args: argparse.Namespace) -> None:
+    """Rounds 2..``--rounds`` of the end-to-end training rows (round 1 is the ordinary
+    flow): per round and dropout, DGL and worker mode back to back, worker mode first in
+    even rounds; results named ``<name>_r<round>``."""
+    sides = [s for s in ("dgl", "worker") if ("dgl-train" if s == "dgl" else s) not in args.skip]
+    if args.rounds < 2 or not sides:
+        return
+    fg = _load_full_graph(parts) if "dgl" in sides else None
+    if fg is not None:
+        _dgl_warmup(fg, args)
+    for r in range(2, args.rounds + 1):
+        suffix = f"_r{r}"
+        log(f"{family}: round {r} of {args.rounds}, "
+            f"{'worker mode' if r % 2 == 0 else 'DGL'} first")
+        for p in args.dropout:
+            for side in (sides[::-1] if r % 2 == 0 else sides):
+                if side == "dgl":
+                    _dgl_train(steps, family, fg, args, p, suffix)
+                else:
+                    steps.run(family, f"worker_mode_{dlabel(p)}{suffix}",
+                              lambda p=p: run_worker_mode(parts, args, p))
+    del fg
+    gc.collect()
 
 
 def measure_mfgserve(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
@@ -489,6 +553,36 @@ def _seeds(results: dict, name: str | None) -> float | None:
     return results.get(name, {}).get("seeds_per_s") if name else None
 
 
+def round_suffixes(args: argparse.Namespace) -> list[str]:
+    """The result-name suffix of each round: "" for round 1, ``_r2``, ``_r3``, ..."""
+    return [""] + [f"_r{r}" for r in range(2, getattr(args, "rounds", 1) + 1)]
+
+
+def _round_sides(results: dict, args: argparse.Namespace, d: str, sfx: str
+                 ) -> tuple[float | None, float | None]:
+    """(DGL's best seeds/s, worker mode's seeds/s) of one round at dropout label ``d``."""
+    _, base = _best(results, [f"dgl_train_w{w}_{d}{sfx}" for w in args.dgl_workers],
+                    "seeds_per_s")
+    return base, _seeds(results, f"worker_mode_{d}{sfx}")
+
+
+def round_ratios(results: dict, args: argparse.Namespace, d: str) -> list[float]:
+    """Each round's ratio at dropout label ``d`` (worker mode / that round's best DGL run),
+    for the rounds where both sides were measured."""
+    out = []
+    for sfx in round_suffixes(args):
+        r = ratio(*reversed(_round_sides(results, args, d, sfx)))
+        if r is not None:
+            out.append(r)
+    return out
+
+
+def _median_seeds(results: dict, args: argparse.Namespace, d: str, side: int) -> float | None:
+    vals = [v for v in (_round_sides(results, args, d, sfx)[side]
+                        for sfx in round_suffixes(args)) if v]
+    return round(statistics.median(vals), 1) if vals else None
+
+
 def compute_ratios(results: dict, args: argparse.Namespace,
                    module_results: list[str] = ()) -> dict:
     """One family's ratios (mfgserve / DGL)."""
@@ -496,9 +590,12 @@ def compute_ratios(results: dict, args: argparse.Namespace,
     for p in args.dropout:
         d = dlabel(p)
         dgl_names = [f"dgl_train_w{w}_{d}" for w in args.dgl_workers]
-        base_key, base = _best(results, dgl_names, "seeds_per_s")
+        base_key, _ = _best(results, dgl_names, "seeds_per_s")  # round 1's best
         wm = _seeds(results, f"worker_mode_{d}")
-        ratios[f"train_seeds_per_s_{d}"] = ratio(wm, base)
+        per_round = round_ratios(results, args, d)
+        ratios[f"train_seeds_per_s_{d}"] = (round(statistics.median(per_round), 3)
+                                            if per_round else None)
+        ratios[f"train_seeds_per_s_{d}_rounds"] = per_round
         ratios[f"train_baseline_{d}"] = base_key
         for k in dgl_names:
             if _seeds(results, k):
@@ -548,17 +645,18 @@ def _family_rows(family: str, res: dict, r: dict, args: argparse.Namespace,
         d = dlabel(p)
         base = r.get(f"train_baseline_{d}")
         rows.append({"family": family, "label": row_label(p), "dropout": p, "trainers": 1,
-                     "dgl": base, "dgl_seeds_per_s": _seeds(res, base),
+                     "dgl": base, "dgl_seeds_per_s": _median_seeds(res, args, d, 0),
                      "mfgserve": f"worker_mode_{d}",
-                     "mfgserve_seeds_per_s": _seeds(res, f"worker_mode_{d}"),
-                     "ratio": r.get(f"train_seeds_per_s_{d}")})
+                     "mfgserve_seeds_per_s": _median_seeds(res, args, d, 1),
+                     "ratio": r.get(f"train_seeds_per_s_{d}"),
+                     "rounds": r.get(f"train_seeds_per_s_{d}_rounds") or []})
     n, d = args.ddp_procs, dlabel(h)
     rows.append({"family": family, "label": f"{row_label(h)}, {n} trainers", "dropout": h,
                  "trainers": n, "dgl": f"dgl_ddp{n}_{d}",
                  "dgl_seeds_per_s": _seeds(res, f"dgl_ddp{n}_{d}"),
                  "mfgserve": f"worker_mode_t{n}_{d}",
                  "mfgserve_seeds_per_s": _seeds(res, f"worker_mode_t{n}_{d}"),
-                 "ratio": r.get(f"ddp_seeds_per_s_{d}")})
+                 "ratio": r.get(f"ddp_seeds_per_s_{d}"), "rounds": []})
     return rows
 
 
@@ -584,10 +682,18 @@ def print_table(summary: dict) -> None:
            f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}; "
            f"fanouts {c['fanouts']}, batch {c['batch_size']}, hidden {c['hidden']}, "
            f"threads {c['num_threads'] or 'default'}"]
-    rows = [("end to end, training seeds/s", "DGL best", "mfgserve", "ratio")]
+    rounds = c.get("rounds", 1)
+    head = ("end to end, training seeds/s", "DGL best", "mfgserve", "ratio")
+    if rounds > 1:
+        out.append(f"{rounds} rounds: median seeds/s per side; ratio = median of the rounds' "
+                   "ratios (each pairs two runs made back to back)")
+    rows = [head + (("rounds' ratios",) if rounds > 1 else ())]
     for r in summary["comparison"]:
-        rows.append((f"{r['family']}: {r['label']}", _fmt(r["dgl_seeds_per_s"]),
-                     _fmt(r["mfgserve_seeds_per_s"]), _fmt(r["ratio"])))
+        row = (f"{r['family']}: {r['label']}", _fmt(r["dgl_seeds_per_s"]),
+               _fmt(r["mfgserve_seeds_per_s"]), _fmt(r["ratio"]))
+        if rounds > 1:
+            row += (" / ".join(f"{x:.2f}" for x in r.get("rounds", [])) or "-",)
+        rows.append(row)
     out += _columns(rows)
     for family in summary["families"]:
         g = summary["graphs"].get(family)
@@ -647,7 +753,7 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "headline_dropout": headline_dropout(args.dropout),
             "fanouts": args.fanouts, "batch_size": args.batch_size, "hidden": args.hidden,
             "lr": LR, "weight_decay": WEIGHT_DECAY, "optimizer": "Adam",
-            "epochs": args.epochs, "max_batches": args.max_batches,
+            "epochs": args.epochs, "rounds": args.rounds, "max_batches": args.max_batches,
             "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
             "num_trainers": args.num_trainers, "ddp_procs": args.ddp_procs,
             "num_threads": args.num_threads, "server_workers": args.server_workers,
@@ -684,6 +790,7 @@ def measure_family(steps: Steps, family: str, parts: Path, args: argparse.Namesp
         measure_dgl(steps, family, parts, args, sample_batches)
         gc.collect()
     measure_mfgserve(steps, family, parts, args, sample_batches)
+    measure_rounds(steps, family, parts, args)
     if "ddp" not in args.skip:
         measure_ddp(steps, family, parts, args)
     measure_modules(steps, family, parts, args)

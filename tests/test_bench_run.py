@@ -20,11 +20,12 @@ RUN_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     """One small run: products family, dropout 0 and 0.5 on both sides (DGL num_workers 0),
-    and the ddp step; the heavy or unrelated steps skipped."""
+    two rounds of those end-to-end rows, and the ddp step; the heavy or unrelated steps
+    skipped."""
     tmp = tmp_path_factory.mktemp("bench-run")
     argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "20000",
             "--max-batches", "3", "--family", "products", "--dropout", "0,0.5",
-            "--dgl-workers", "0", "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero",
+            "--dgl-workers", "0", "--rounds", "2", "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero",
             "--cache-dir", str(tmp / "cache"), "--worker-work-dir", str(tmp / "wm"),
             "--worker-timeout-s", "200", "--out", str(tmp / "out.json")]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
@@ -69,6 +70,33 @@ def test_dropout_rows_on_both_sides_and_seed_model_headline(summary):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_rounds_alternate_sides_and_ratio_is_the_median_of_paired_ratios(summary):
+    assert summary["config"]["rounds"] == 2
+    res, ratios = summary["results"]["products"], summary["ratios"]["products"]
+    log = summary["_stderr"]
+    for d in ("d0", "d0.5"):
+        dgl = [res[f"dgl_train_w0_{d}"], res[f"dgl_train_w0_{d}_r2"]]
+        ours = [res[f"worker_mode_{d}"], res[f"worker_mode_{d}_r2"]]
+        assert all(x["seeds_per_s"] > 0 for x in dgl + ours)
+        assert all(x["exit_code"] == 0 for x in ours)
+        paired = [round(o["seeds_per_s"] / g["seeds_per_s"], 3) for g, o in zip(dgl, ours)]
+        assert ratios[f"train_seeds_per_s_{d}_rounds"] == paired
+        assert ratios[f"train_seeds_per_s_{d}"] == pytest.approx(sum(paired) / 2, abs=1e-3)
+        # round 2 ran worker mode first, round 1 DGL first (the progress log's order)
+        assert log.index(f"products/dgl_train_w0_{d}: start") < \
+            log.index(f"products/worker_mode_{d}: start")
+        assert log.index(f"products/worker_mode_{d}_r2: start") < \
+            log.index(f"products/dgl_train_w0_{d}_r2: start")
+    rows = {r["label"]: r for r in summary["comparison"]}
+    head = rows["seed model (no dropout)"]
+    assert head["rounds"] == ratios["train_seeds_per_s_d0_rounds"]
+    assert head["mfgserve_seeds_per_s"] == pytest.approx(
+        (res["worker_mode_d0"]["seeds_per_s"] + res["worker_mode_d0_r2"]["seeds_per_s"]) / 2,
+        abs=0.1)
+    assert "rounds' ratios" in log  # the table's extra column
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_ddp_step_two_processes_each_side_same_total_batch(summary):
     res = summary["results"]["products"]
     dgl, ours = res["dgl_ddp2_d0"], res["worker_mode_t2_d0"]
@@ -91,6 +119,7 @@ def test_ddp_step_two_processes_each_side_same_total_batch(summary):
     (["--parts", "/nonexistent", "--family", "rmat"], "--family"),
     (["--batch-size", "1023"], "--ddp-procs"),
     (["--num-threads", "0"], "--num-threads"),
+    (["--rounds", "0"], "--rounds"),
 ])
 def test_bad_values_exit_2_naming_the_option(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
