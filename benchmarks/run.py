@@ -456,10 +456,10 @@ def measure_rounds(steps: Steps, family: str, parts: Path, args: argparse.Namesp
     """Rounds 2..``--rounds`` of the end-to-end training rows (round 1 is the ordinary
     flow): per round and dropout, DGL and worker mode back to back, worker mode first in
     even rounds; results named ``<name>_r<round>``."""
-    sides = [s for s in ("dgl", "worker") if ("dgl-train" if s == "dgl" else s) not in args.skip]
+    sides = [s for s in ("dgl-train", "worker") if s not in args.skip]  # the --skip names
     if args.rounds < 2 or not sides:
         return
-    fg = _load_full_graph(parts) if "dgl" in sides else None
+    fg = _load_full_graph(parts) if "dgl-train" in sides else None
     if fg is not None:
         _dgl_warmup(fg, args)
     for r in range(2, args.rounds + 1):
@@ -468,7 +468,7 @@ def measure_rounds(steps: Steps, family: str, parts: Path, args: argparse.Namesp
             f"{'worker mode' if r % 2 == 0 else 'DGL'} first")
         for p in args.dropout:
             for side in (sides[::-1] if r % 2 == 0 else sides):
-                if side == "dgl":
+                if side == "dgl-train":
                     _dgl_train(steps, family, fg, args, p, suffix)
                 else:
                     steps.run(family, f"worker_mode_{dlabel(p)}{suffix}",
@@ -555,7 +555,7 @@ def _seeds(results: dict, name: str | None) -> float | None:
 
 def round_suffixes(args: argparse.Namespace) -> list[str]:
     """The result-name suffix of each round: "" for round 1, ``_r2``, ``_r3``, ..."""
-    return [""] + [f"_r{r}" for r in range(2, getattr(args, "rounds", 1) + 1)]
+    return [""] + [f"_r{r}" for r in range(2, args.rounds + 1)]
 
 
 def _round_sides(results: dict, args: argparse.Namespace, d: str, sfx: str
@@ -571,7 +571,8 @@ def round_ratios(results: dict, args: argparse.Namespace, d: str) -> list[float]
     for the rounds where both sides were measured."""
     out = []
     for sfx in round_suffixes(args):
-        r = ratio(*reversed(_round_sides(results, args, d, sfx)))
+        dgl, ours = _round_sides(results, args, d, sfx)
+        r = ratio(ours, dgl)
         if r is not None:
             out.append(r)
     return out

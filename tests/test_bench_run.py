@@ -25,7 +25,8 @@ def summary(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-run")
     argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "20000",
             "--max-batches", "3", "--family", "products", "--dropout", "0,0.5",
-            "--dgl-workers", "0", "--rounds", "2", "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero",
+            "--dgl-workers", "0", "--rounds", "2",
+            "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero",
             "--cache-dir", str(tmp / "cache"), "--worker-work-dir", str(tmp / "wm"),
             "--worker-timeout-s", "200", "--out", str(tmp / "out.json")]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
