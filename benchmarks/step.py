@@ -10,12 +10,14 @@ each batch is then given to both sides exactly as their pipelines hand it to the
   builds from a sampler reply) and trainer_client.model.GraphSAGE.
 
 One step = forward + cross-entropy + backward + Adam step, the same widths, dropout, optimizer
-and thread count (``--num-threads``, default torch's). Steps alternate between the sides
-batch by batch, so load drift hits both alike; ``--repeats`` passes over the batches, the
-first one untimed (warm-up). Figures: milliseconds per step (median over timed steps) per
-side and their ratio mfgserve / DGL (< 1: mfgserve's step is faster); the same for CPU
-seconds of this process (``*_cpu_ms``, ``cpu_ratio``: less disturbed by other load). ``--profile`` adds a
-torch.profiler breakdown of one step per side (self CPU time by operator, top rows).
+(Adam, lr 3e-3, weight decay 5e-4; each side's as its pipeline builds it: the trainer's fused
+kernel, the seed tutorial's ``torch.optim.Adam``) and thread count (``--num-threads``, default
+torch's). Steps alternate between the sides batch by batch, so load drift hits both alike;
+``--repeats`` passes over the batches, the first one untimed (warm-up). Figures: milliseconds
+per step (median over timed steps) per side and their ratio mfgserve / DGL (< 1: mfgserve's
+step is faster); the same for CPU seconds of this process (``*_cpu_ms``, ``cpu_ratio``: less
+disturbed by other load). ``--profile`` adds a torch.profiler breakdown of one step per side
+(self CPU time by operator, top rows).
 The last stdout line is one JSON object.
 """
 
@@ -105,6 +107,7 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
                  num_threads: int | None = None, profile_rows: int = 0) -> dict:
     from benchmarks.dgl_pipeline import DGLGraphSAGE, load_full_graph
     from trainer_client.model import GraphSAGE
+    from trainer_client.models import build_optimizer
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -117,8 +120,7 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
     torch.manual_seed(seed)
     theirs = DGLGraphSAGE(fg.feat_dim, hidden, fg.num_classes, len(fanouts), dropout)
     sides = {
-        "mfgserve": (ours, torch.optim.Adam(ours.parameters(), lr=3e-3, weight_decay=5e-4),
-                     _our_blocks),
+        "mfgserve": (ours, build_optimizer(ours.parameters(), 3e-3, 5e-4), _our_blocks),
         "dgl": (theirs, torch.optim.Adam(theirs.parameters(), lr=3e-3, weight_decay=5e-4),
                 _fresh_dgl_blocks),
     }

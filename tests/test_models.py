@@ -1,6 +1,7 @@
 """The model choice: each plain-torch layer equals its dgl.nn counterpart on the same block
 with the same weights (forward and gradients, including destinations without in-edges);
-forward is the loop of forward_layer; build_model validates the spec; models train."""
+forward is the loop of forward_layer; build_model validates the spec; models train; the
+trainer's optimizer (build_optimizer) is Adam's update through the fused kernel."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from trainer_client.models import (
     GATConv,
     GraphConv,
     build_model,
+    build_optimizer,
     check_spec,
     edge_softmax,
 )
@@ -252,3 +254,42 @@ def test_plain_torch_models_give_the_same_result_on_cuda(name):
     want = model(blocks, x)
     got = model.to("cuda")([b.to("cuda") for b in blocks], x.to("cuda"))
     torch.testing.assert_close(got.cpu(), want, **TOL)
+
+
+def _adam_params(opt_of, steps: int = 20) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = GraphSAGE(16, 32, 5, 2, 0.0)
+    opt = opt_of(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_the_trainers_optimizer_is_fused_adam_with_adams_update():
+    opt = build_optimizer(GraphSAGE(16, 32, 5, 2, 0.0).parameters(), 3e-3, 5e-4)
+    assert isinstance(opt, torch.optim.Adam) and opt.defaults["fused"] is True
+    assert (opt.defaults["lr"], opt.defaults["weight_decay"]) == (3e-3, 5e-4)
+    fused = _adam_params(lambda ps: build_optimizer(ps, 3e-3, 5e-4))
+    plain = _adam_params(lambda ps: torch.optim.Adam(ps, lr=3e-3, weight_decay=5e-4))
+    assert torch.allclose(fused, plain, rtol=0, atol=1e-6)
+    moved = _adam_params(lambda ps: torch.optim.Adam(ps, lr=3e-3, weight_decay=5e-4), 0)
+    assert (plain - moved).abs().max() > 1e-3  # the steps did move the parameters
+
+
+def test_the_trainers_optimizer_falls_back_where_torch_refuses_the_fused_kernel(monkeypatch):
+    real = torch.optim.Adam
+
+    class NoFused(real):  # torch before 2.4: no fused Adam for CPU parameters
+        def __init__(self, params, fused=None, **kw):
+            if fused:
+                raise RuntimeError("`fused=True` requires all the params to be floating point "
+                                   "Tensors of supported devices: ['cuda']")
+            super().__init__(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "Adam", NoFused)
+    opt = build_optimizer(GraphSAGE(16, 32, 5, 2, 0.0).parameters(), 3e-3, 5e-4)
+    assert isinstance(opt, NoFused) and not opt.defaults["fused"]
+    assert len(opt.param_groups[0]["params"]) == len(list(GraphSAGE(16, 32, 5, 2).parameters()))

@@ -70,7 +70,7 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.models import build_model
+from trainer_client.models import build_model, build_optimizer
 from trainer_client.node_embedding import NodeEmbedding
 from trainer_client.run_dir import (
     RunFiles,
@@ -692,7 +692,7 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
     # last layer's non-seed types) leave parameters unused; DDP must look for them every step
     typed = spec["name"] in HETERO_MODEL_NAMES
     net = DDP(model, find_unused_parameters=typed) if ddp.world_size > 1 else model
-    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(net.parameters(), cfg.lr, cfg.weight_decay)
     cache = _make_cache(cfg, pool, info, device)
     splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
     train, evals = _make_loaders(cfg, ddp, device, pool, info, cache, ring, splits)
