@@ -10,9 +10,10 @@
 
 #define MFG_BAD_ID (-1)
 #define MFG_NO_MEMORY (-2)
-/* mfg_relabel sorts its new ids by reading the scratch over their range (sequentially, 16
- * slots a cache line) instead of a radix sort when the range is under this many slots per id. */
-#define MFG_SCAN_PER_ID 32
+/* mfg_relabel marks the sources in a bitmap over their id range (one bit an id, zeroed per
+ * call) when that range has at most this many 64-bit words per source; a sparser range takes
+ * the provisional-slot pass and a radix sort instead. */
+#define MFG_BITMAP_WORDS_PER_ID 4
 
 /* Rows ahead whose memory a loop over scattered rows asks for early: each row is a cache miss
  * (~150 ns on a VM), and a loop body of a few loads leaves the CPU too few misses in flight to
@@ -20,24 +21,26 @@
 #define MFG_AHEAD 8
 #if defined(__GNUC__) || defined(__clang__)
 #define MFG_PREFETCH(p) __builtin_prefetch(p)
+#define MFG_CTZ64(x) __builtin_ctzll(x)
 #else
 #define MFG_PREFETCH(p) ((void)0)
+static int mfg_ctz64(uint64_t x) /* x != 0 */
+{
+    int n = 0;
+    for (; !(x & 1); x >>= 1)
+        n++;
+    return n;
+}
+#define MFG_CTZ64(x) mfg_ctz64(x)
 #endif
 
-/* The first pass of mfg_relabel: dst[i] gets slot i, and each id of src not in dst a
+/* The sparse path's first pass: dst[i] gets slot i, and each id of src not in dst a
  * provisional slot nd + q in order of first appearance (q-th new id, written to new_out[q]);
  * src_local[i] = src[i]'s slot. Leaves the scratch -1 for dst and the provisional slot for
- * the new ids. Returns the number of new ids, or MFG_BAD_ID (nothing written). */
+ * the new ids. The ids were checked by the caller. Returns the number of new ids. */
 static int64_t relabel_pass(const int64_t *dst, int64_t nd, const int64_t *src, int64_t ns,
-                            int64_t num_nodes, int32_t *scratch, int64_t *new_out,
-                            int64_t *src_local)
+                            int32_t *scratch, int64_t *new_out, int64_t *src_local)
 {
-    for (int64_t i = 0; i < nd; i++)
-        if ((uint64_t)dst[i] >= (uint64_t)num_nodes)
-            return MFG_BAD_ID;
-    for (int64_t i = 0; i < ns; i++)
-        if ((uint64_t)src[i] >= (uint64_t)num_nodes)
-            return MFG_BAD_ID;
     for (int64_t i = 0; i < nd; i++)
         scratch[dst[i]] = (int32_t)i;
     int64_t nn = 0;
@@ -87,6 +90,39 @@ static void radix_sort(int64_t *v, int64_t n, int64_t bound, int64_t *tmp)
             v[i] = a[i];
 }
 
+/* The dense path (see mfg_relabel): bits has nw zeroed words for ids from w0 * 64 on. */
+static int64_t relabel_bitmap(const int64_t *dst, int64_t nd, const int64_t *src, int64_t ns,
+                              int32_t *scratch, int64_t *new_out, int64_t *src_local,
+                              uint64_t *bits, int64_t w0, int64_t nw)
+{
+    for (int64_t i = 0; i < ns; i++) { /* the bitmap stays in cache: no scattered misses */
+        const int64_t v = src[i];
+        bits[(v >> 6) - w0] |= (uint64_t)1 << (v & 63);
+    }
+    for (int64_t i = 0; i < nd; i++)
+        scratch[dst[i]] = (int32_t)i;
+    int64_t nn = 0; /* the marked ids in ascending order: each new one takes the next slot */
+    for (int64_t w = 0; w < nw; w++) {
+        for (uint64_t b = bits[w]; b; b &= b - 1) {
+            const int64_t v = ((w0 + w) << 6) + MFG_CTZ64(b);
+            if (scratch[v] < 0) {
+                scratch[v] = (int32_t)(nd + nn);
+                new_out[nn++] = v;
+            }
+        }
+    }
+    for (int64_t i = 0; i < ns; i++) {
+        if (i + MFG_AHEAD < ns)
+            MFG_PREFETCH(scratch + src[i + MFG_AHEAD]);
+        src_local[i] = scratch[src[i]];
+    }
+    for (int64_t i = 0; i < nd; i++)
+        scratch[dst[i]] = -1;
+    for (int64_t q = 0; q < nn; q++)
+        scratch[new_out[q]] = -1;
+    return nn;
+}
+
 /* Compact ids (see sampler_server/neighbor_sampler.py's relabel()).
  *
  * dst[0..nd) are unique ids, src[0..ns) any ids, all in [0, num_nodes). scratch has num_nodes
@@ -94,52 +130,59 @@ static void radix_sort(int64_t *v, int64_t n, int64_t bound, int64_t *tmp)
  * not in dst, each once, in ascending order, to new_out (room for ns), and the position of
  * src[i] in [dst, new_out] to src_local[i].
  * Returns the number of new ids; MFG_BAD_ID (nothing written) if an id is out of range;
- * MFG_NO_MEMORY if its work arrays (nn entries each) cannot be allocated.
+ * MFG_NO_MEMORY (nothing written) if its work arrays cannot be allocated.
  *
  * Why ascending: the server gathers the last hop's ids' feature rows in this order, and rows
  * read front to back stream from memory far faster than in a random order (products-shaped
  * batch, 373k of 1M rows: gather 74 -> 50 ms; docs/benchmarks.md, session 22).
- * How: relabel_pass, then the new ids sorted (by a scan of the scratch over their range when
- * that is dense, else a radix sort), then each provisional slot in src_local mapped to its
- * sorted one through a map of nn int32 slots. */
+ * How, when the sources' id range has at most MFG_BITMAP_WORDS_PER_ID words of bits per
+ * source (every hop but the first on a 1M-node graph): each source sets its bit in a bitmap of
+ * the range, the set bits read in order give the new ids their slots in the scratch, and each
+ * source then reads its slot there. The scattered scratch accesses are one read per source
+ * plus the resets; the marking touches only the bitmap (125 KiB for 1M ids), which stays in
+ * cache (last hop of a products-shaped batch, 663k sources: 9.1-9.9 ms -> 3.0-3.2 ms;
+ * docs/benchmarks.md, session 26). Otherwise: relabel_pass, a radix sort of the new ids, and
+ * each provisional slot in src_local mapped to its sorted one through a map of nn int32
+ * slots. */
 int64_t mfg_relabel(const int64_t *dst, int64_t nd, const int64_t *src, int64_t ns,
                     int64_t num_nodes, int32_t *scratch, int64_t *new_out, int64_t *src_local)
 {
-    const int64_t nn = relabel_pass(dst, nd, src, ns, num_nodes, scratch, new_out, src_local);
-    if (nn <= 0)
-        return nn;
+    for (int64_t i = 0; i < nd; i++)
+        if ((uint64_t)dst[i] >= (uint64_t)num_nodes)
+            return MFG_BAD_ID;
     int64_t lo = num_nodes, hi = -1;
-    for (int64_t q = 0; q < nn; q++) {
-        lo = new_out[q] < lo ? new_out[q] : lo;
-        hi = new_out[q] > hi ? new_out[q] : hi;
+    for (int64_t i = 0; i < ns; i++) {
+        const int64_t v = src[i];
+        if ((uint64_t)v >= (uint64_t)num_nodes)
+            return MFG_BAD_ID;
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
     }
-    const int dense = hi - lo < MFG_SCAN_PER_ID * nn;
-    int64_t *tmp = dense ? NULL : malloc((size_t)nn * sizeof(int64_t)); /* radix sort's */
-    int32_t *map = malloc((size_t)nn * sizeof(int32_t));
-    if ((!dense && tmp == NULL) || map == NULL) {
+    if (ns == 0)
+        return 0;
+    const int64_t w0 = lo >> 6, nw = (hi >> 6) - w0 + 1;
+    if (nw <= MFG_BITMAP_WORDS_PER_ID * ns) {
+        uint64_t *bits = calloc((size_t)nw, sizeof(uint64_t));
+        if (bits == NULL)
+            return MFG_NO_MEMORY;
+        const int64_t nn = relabel_bitmap(dst, nd, src, ns, scratch, new_out, src_local,
+                                          bits, w0, nw);
+        free(bits);
+        return nn;
+    }
+    int64_t *tmp = malloc((size_t)ns * sizeof(int64_t)); /* radix sort's; nn <= ns */
+    int32_t *map = malloc((size_t)ns * sizeof(int32_t));
+    if (tmp == NULL || map == NULL) {
         free(tmp);
         free(map);
-        for (int64_t q = 0; q < nn; q++)
-            scratch[new_out[q]] = -1;
         return MFG_NO_MEMORY;
     }
-    if (dense) { /* the scratch read in id order sorts them */
-        int64_t k = 0;
-        for (int64_t v = lo; v <= hi; v++) {
-            const int32_t p = scratch[v];
-            if (p >= 0) {
-                map[p - nd] = (int32_t)(nd + k);
-                new_out[k++] = v;
-                scratch[v] = -1;
-            }
-        }
-    } else {
-        radix_sort(new_out, nn, hi + 1, tmp);
-        for (int64_t k = 0; k < nn; k++) {
-            const int64_t v = new_out[k];
-            map[scratch[v] - nd] = (int32_t)(nd + k);
-            scratch[v] = -1;
-        }
+    const int64_t nn = relabel_pass(dst, nd, src, ns, scratch, new_out, src_local);
+    radix_sort(new_out, nn, hi + 1, tmp);
+    for (int64_t k = 0; k < nn; k++) {
+        const int64_t v = new_out[k];
+        map[scratch[v] - nd] = (int32_t)(nd + k);
+        scratch[v] = -1;
     }
     for (int64_t i = 0; i < ns; i++) { /* branch-free: which slots are new is random */
         const int64_t q = src_local[i];

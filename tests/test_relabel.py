@@ -56,18 +56,20 @@ def test_native_relabel_is_used_and_matches_numpy_on_a_large_hop():
     assert bool((scratch == -1).all())
 
 
-@pytest.mark.parametrize("spread", [1, 1000])
-def test_native_relabel_dense_and_sparse_new_ids(spread):
-    """The kernel sorts new ids by a scan of the scratch when they are dense in their range
-    and by a radix sort when they are sparse (ids below 4e7: three radix passes); both give
-    the reference's result and leave the scratch clean."""
+@pytest.mark.parametrize("n, lo", [(40_000, 0), (40_000_000, 0), (1_000_000, 970_001)])
+def test_native_relabel_bitmap_and_sparse_paths(n, lo):
+    """The kernel marks the sources in a bitmap of their id range when the range has at most
+    4 words (256 ids) per source (40k and a window high in 1M ids: the bitmap, the second one
+    starting mid-word), and takes provisional slots and a radix sort when it is sparser (40M
+    ids: three radix passes); every path gives the reference's result and leaves the scratch
+    clean."""
     if native.load() is None:
         pytest.skip(f"native kernels: {native.status()}")
-    rng = np.random.default_rng(spread)
-    n = 40_000 * spread
-    dst = torch.from_numpy(rng.choice(n, 3_000, replace=False))
-    src = torch.from_numpy(rng.integers(0, n, 60_000))
+    rng = np.random.default_rng(n + lo)
+    dst = torch.from_numpy(lo + rng.choice(n - lo, 3_000, replace=False))
+    src = torch.from_numpy(lo + rng.integers(0, n - lo, 60_000))
     src[:500] = dst[:500]  # some sources are destinations
+    src[500] = n - 1  # the range's last id
     scratch = new_scratch(n)
     nodes, local = relabel(dst, src, scratch)
     ref = relabel(dst, src)
