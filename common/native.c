@@ -140,7 +140,7 @@ static int64_t relabel_bitmap(const int64_t *dst, int64_t nd, const int64_t *src
  * the range, the set bits read in order give the new ids their slots in the scratch, and each
  * source then reads its slot there. The scattered scratch accesses are one read per source
  * plus the resets; the marking touches only the bitmap (125 KiB for 1M ids), which stays in
- * cache (last hop of a products-shaped batch, 663k sources: 9.1-9.9 ms -> 3.0-3.2 ms;
+ * cache (last hop of a products-shaped batch, 663k sources: 10.6-11.0 ms -> 3.9-4.1 ms;
  * docs/benchmarks.md, session 26). Otherwise: relabel_pass, a radix sort of the new ids, and
  * each provisional slot in src_local mapped to its sorted one through a map of nn int32
  * slots. */
