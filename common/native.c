@@ -194,36 +194,160 @@ int64_t mfg_relabel(const int64_t *dst, int64_t nd, const int64_t *src, int64_t 
     return nn;
 }
 
-/* Sorted draws with replacement (see sampler_server/seeded_sampler.py's choose_positions()).
- *
- * r[0..n*k) are uniform doubles in [0, 1) (row-major, k per row), deg[0..n) the rows' degrees
- * (each > k and < 2^31 - 1). Writes picks[r*k + j] = (int32)(r[r*k + j] * deg[r]), each row
- * sorted ascending (numpy's float64 multiply and truncating cast, so the same values), and
- * the indices of the rows holding two equal picks to redo (room for n), in order.
- * Returns the number of such rows. */
-int64_t mfg_sorted_picks(const double *r, const int64_t *deg, int64_t n, int64_t k,
-                         int32_t *picks, int64_t *redo)
+/* numpy's PCG64 (PCG XSL-RR 128/64: the 128-bit LCG steps, then the output mixes the new
+ * state's halves) and its Generator.random(): (next >> 11) * 2^-53. The state is numpy's
+ * bit_generator.state["state"] as {state_hi, state_lo, inc_hi, inc_lo}. */
+#define MFG_PCG_MUL_HI 2549297995355413924ULL
+#define MFG_PCG_MUL_LO 4865540595714422341ULL
+typedef struct {
+    uint64_t hi, lo, inc_hi, inc_lo;
+} mfg_pcg64;
+
+#if defined(__SIZEOF_INT128__)
+static inline double mfg_pcg_double(mfg_pcg64 *g)
 {
+    typedef unsigned __int128 u128;
+    const u128 mul = ((u128)MFG_PCG_MUL_HI << 64) | MFG_PCG_MUL_LO;
+    u128 s = (((u128)g->hi << 64) | g->lo) * mul + (((u128)g->inc_hi << 64) | g->inc_lo);
+    g->hi = (uint64_t)(s >> 64);
+    g->lo = (uint64_t)s;
+#else
+static inline uint64_t mfg_mulhi64(uint64_t a, uint64_t b)
+{
+    const uint64_t a0 = a & 0xffffffffu, a1 = a >> 32, b0 = b & 0xffffffffu, b1 = b >> 32;
+    const uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+    const uint64_t mid = (p00 >> 32) + (p01 & 0xffffffffu) + (p10 & 0xffffffffu);
+    return p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+}
+static inline double mfg_pcg_double(mfg_pcg64 *g)
+{
+    uint64_t hi = mfg_mulhi64(g->lo, MFG_PCG_MUL_LO) + g->hi * MFG_PCG_MUL_LO
+                  + g->lo * MFG_PCG_MUL_HI;
+    uint64_t lo = g->lo * MFG_PCG_MUL_LO;
+    const uint64_t lo2 = lo + g->inc_lo;
+    hi += g->inc_hi + (lo2 < lo);
+    g->hi = hi;
+    g->lo = lo2;
+#endif
+    const uint64_t x = g->hi ^ g->lo;
+    const unsigned rot = (unsigned)(g->hi >> 58);
+    const uint64_t out = (x >> rot) | (x << ((64 - rot) & 63));
+    return (double)(out >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* Rows of at most MFG_RANK_W (or 2 * MFG_RANK_W) picks are sorted by rank: pick i's slot is
+ * the count of picks below it. The counts of all picks are accumulated at once, one pick m
+ * against every lane i per step, over a row padded to a fixed width with INT32_MAX (above
+ * every pick, so the pads never count), so the inner loop is a fixed run of compares the
+ * compiler makes vector ones. Without a repeat the ranks are 0..k-1 and sum to k(k-1)/2;
+ * equal picks share a rank, so the sum falls short and the row is redone by Floyd, which
+ * overwrites it (the slots a repeat left unwritten included). Longer rows are sorted by
+ * insertion. Every way gives the same sorted row. */
+#define MFG_RANK_W 16
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* SSE2 (every x86-64): 4 lanes a vector; the compilers tried leave the plain loop scalar. */
+#define MFG_RANK_COUNT(W)                                                                  \
+    do {                                                                                   \
+        __m128i vv[(W) / 4], rr[(W) / 4];                                                  \
+        for (int32_t q = 0; q < (W) / 4; q++) {                                            \
+            vv[q] = _mm_loadu_si128((const __m128i *)(v + 4 * q));                         \
+            rr[q] = _mm_setzero_si128();                                                   \
+        }                                                                                  \
+        for (int32_t m = 0; m < k32; m++) {                                                \
+            const __m128i x = _mm_set1_epi32(v[m]);                                        \
+            for (int32_t q = 0; q < (W) / 4; q++)                                          \
+                rr[q] = _mm_sub_epi32(rr[q], _mm_cmpgt_epi32(vv[q], x));                   \
+        }                                                                                  \
+        for (int32_t q = 0; q < (W) / 4; q++)                                              \
+            _mm_storeu_si128((__m128i *)(rank + 4 * q), rr[q]);                            \
+    } while (0)
+#else
+#define MFG_RANK_COUNT(W)                                                                  \
+    do {                                                                                   \
+        for (int32_t i = 0; i < (W); i++)                                                  \
+            rank[i] = 0;                                                                   \
+        for (int32_t m = 0; m < k32; m++) {                                                \
+            const int32_t x = v[m];                                                        \
+            for (int32_t i = 0; i < (W); i++)                                              \
+                rank[i] += x < v[i];                                                       \
+        }                                                                                  \
+    } while (0)
+#endif
+#define MFG_RANK_SORT(W)                                                                   \
+    do {                                                                                   \
+        int32_t v[W], rank[W];                                                             \
+        for (int32_t i = 0; i < (W); i++)                                                  \
+            v[i] = i < k32 ? (int32_t)(mfg_pcg_double(&g) * d) : INT32_MAX;               \
+        MFG_RANK_COUNT(W);                                                                 \
+        int64_t sum = 0;                                                                   \
+        for (int32_t i = 0; i < k32; i++) {                                                \
+            p[rank[i]] = v[i];                                                             \
+            sum += rank[i];                                                                \
+        }                                                                                  \
+        repeat = sum != (int64_t)k32 * (k32 - 1) / 2;                                      \
+    } while (0)
+
+/* The seeded sampler's picks (sampler_server/seeded_sampler.py's choose_positions(): the same
+ * values from the same numpy draws, made here instead of in numpy arrays).
+ *
+ * deg[0..n) are the rows' degrees (each > k and < 2^31 - 1), k >= 1. Draws n * k doubles
+ * from the PCG64 state pcg (row-major: row i's k draws in turn), picks[i*k + j] = (int32)(u
+ * * deg[i]) with each row sorted ascending. The rows holding two equal picks are then drawn
+ * again by Floyd's algorithm from the next k * nr doubles, step-major (step s of every such
+ * row in row order, then step s + 1): with j = deg - k + s, t = (int32)(u * (j + 1)), or j
+ * when t was chosen at an earlier step; written unsorted, in step order. pcg is left at the
+ * state after the last draw. redo has room for n (the rows drawn again, in order).
+ * Returns the number of rows drawn again, or MFG_BAD_ID (nothing written) if k < 1 or a
+ * degree is out of range. */
+int64_t mfg_draw_picks(uint64_t *pcg, const int64_t *deg, int64_t n, int64_t k,
+                       int32_t *picks, int64_t *redo)
+{
+    if (k < 1)
+        return MFG_BAD_ID;
+    for (int64_t i = 0; i < n; i++)
+        if (deg[i] <= k || deg[i] >= 2147483647)
+            return MFG_BAD_ID;
+    mfg_pcg64 g = {pcg[0], pcg[1], pcg[2], pcg[3]};
     int64_t nr = 0;
+    const int32_t k32 = (int32_t)k;
     for (int64_t i = 0; i < n; i++) {
         const double d = (double)deg[i];
-        const double *u = r + i * k;
         int32_t *p = picks + i * k;
         int repeat = 0;
-        for (int64_t j = 0; j < k; j++) { /* insertion sort as the values arrive */
-            int32_t v = (int32_t)(u[j] * d);
-            int64_t m = j;
-            while (m > 0 && p[m - 1] > v) {
-                p[m] = p[m - 1];
-                m--;
+        if (k <= MFG_RANK_W) {
+            MFG_RANK_SORT(MFG_RANK_W);
+        } else if (k <= 2 * MFG_RANK_W) {
+            MFG_RANK_SORT(2 * MFG_RANK_W);
+        } else {
+            for (int64_t j = 0; j < k; j++) { /* insertion sort as the values arrive */
+                const int32_t x = (int32_t)(mfg_pcg_double(&g) * d);
+                int64_t m = j;
+                while (m > 0 && p[m - 1] > x) {
+                    p[m] = p[m - 1];
+                    m--;
+                }
+                p[m] = x;
             }
-            if (m > 0 && p[m - 1] == v)
-                repeat = 1;
-            p[m] = v;
+            for (int64_t j = 1; j < k; j++)
+                repeat |= p[j] == p[j - 1];
         }
-        if (repeat)
-            redo[nr++] = i;
+        redo[nr] = i;
+        nr += repeat;
     }
+    for (int64_t s = 0; s < k; s++) { /* Floyd, step-major like numpy's (k, nr) draws */
+        for (int64_t q = 0; q < nr; q++) {
+            int32_t *p = picks + redo[q] * k;
+            const int32_t j = (int32_t)(deg[redo[q]] - k + s);
+            const int32_t t = (int32_t)(mfg_pcg_double(&g) * (double)(j + 1));
+            int hit = 0;
+            for (int64_t m = 0; m < s; m++)
+                hit |= p[m] == t;
+            p[s] = hit ? j : t;
+        }
+    }
+    pcg[0] = g.hi;
+    pcg[1] = g.lo;
     return nr;
 }
 
@@ -284,31 +408,6 @@ int64_t mfg_gather_rows(const int64_t *start, const int64_t *deg, int64_t n, int
     if (idx64)
         MFG_GATHER_ROWS(int64_t);
     MFG_GATHER_ROWS(int32_t);
-}
-
-/* Floyd's draws for the rows that repeated (see seeded_sampler.py's _floyd(): the same
- * values). u[i * nr + q] (k x nr, row-major, uniform in [0, 1)) drives step i of row
- * redo[q], whose degree is deg[redo[q]] (> k, < 2^31 - 1): with j = deg - k + i, t =
- * (int32)(u * (j + 1)), or j when t was chosen at an earlier step; written to
- * picks[redo[q] * k + i]. redo's entries must be in [0, n). */
-void mfg_floyd(const double *u, const int64_t *deg, const int64_t *redo, int64_t nr, int64_t k,
-               int32_t *picks)
-{
-    for (int64_t q = 0; q < nr; q++) {
-        const int64_t row = redo[q];
-        int32_t *p = picks + row * k;
-        const int32_t base = (int32_t)(deg[row] - k);
-        for (int64_t i = 0; i < k; i++) {
-            const int32_t j = base + (int32_t)i;
-            int32_t t = (int32_t)(u[i * nr + q] * (double)(j + 1));
-            for (int64_t m = 0; m < i; m++)
-                if (p[m] == t) {
-                    t = j;
-                    break;
-                }
-            p[i] = t;
-        }
-    }
 }
 
 /* Each row's run in a CSC: start[i] = indptr[rows[i]], deg[i] = indptr[rows[i] + 1] -

@@ -6,8 +6,8 @@ a hop's sampled sources: ~10^5-10^6 ids) is a handful of scattered reads and wri
 numpy does each as its own pass over memory, with the GIL held between passes; one C loop
 does them all in a single pass with the GIL released, fetching the next rows' memory ahead
 (measured in docs/benchmarks.md, "Native relabel" and "session 21"). Kernels:
-``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_row_runs``, ``mfg_sorted_picks``,
-``mfg_floyd`` and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py).
+``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_row_runs``, ``mfg_draw_picks``
+and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py).
 
 Build: the first use compiles ``native.c`` with ``$CC`` (else the compiler Python was built
 with, else ``cc``) into ``$MFGSERVE_NATIVE_DIR`` (default ``~/.cache/mfgserve``; a private
@@ -105,10 +105,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mfg_relabel.restype = i64
     lib.mfg_relabel.argtypes = [p, i64, p, i64, i64, p, p, p]
-    lib.mfg_sorted_picks.restype = i64
-    lib.mfg_sorted_picks.argtypes = [p, p, i64, i64, p, p]
-    lib.mfg_floyd.restype = None
-    lib.mfg_floyd.argtypes = [p, p, p, i64, i64, p]
+    lib.mfg_draw_picks.restype = i64
+    lib.mfg_draw_picks.argtypes = [p, p, i64, i64, p, p]
     lib.mfg_row_runs.restype = i64
     lib.mfg_row_runs.argtypes = [p, i64, p, i64, p, p]
     lib.mfg_gather_rows.restype = i64

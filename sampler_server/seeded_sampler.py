@@ -62,6 +62,7 @@ from common import native
 # Build the position matrix when at least this share of its rows x fanout cells are edges;
 # below it (many rows under the fanout: skewed degrees) build runs and scatter the picks.
 _MATRIX_MIN_FILL = 0.6
+_U64 = (1 << 64) - 1
 _warn_lock = threading.Lock()
 
 
@@ -108,21 +109,25 @@ def choose_positions(deg: np.ndarray, k: int, rng: np.random.Generator,
     equally likely; shape (rows, k), int32 (int64 for degrees >= 2^31 - 1). Draws with
     replacement first (cheap, and rarely repeats when the degree is much larger than k); rows
     that repeated are drawn again with Floyd (their positions then in Floyd's order, not
-    sorted). With ``lib`` (common/native.py) one C pass scales, sorts and finds the repeats,
-    and a second runs Floyd on those rows: the same picks from the same draws as the numpy
-    passes."""
-    r = rng.random((deg.size, k))
-    if lib is not None and _pos_dtype(deg) is np.int32:
+    sorted). With ``lib`` (common/native.py) and a PCG64 ``rng`` (``np.random.default_rng``'s),
+    one C call makes numpy's draws from the generator's state, scales, sorts, finds the
+    repeats and runs Floyd on those rows, then leaves ``rng`` where numpy's draws would have:
+    the same picks as the numpy passes, without the arrays of draws."""
+    if (lib is not None and isinstance(rng.bit_generator, np.random.PCG64)
+            and _pos_dtype(deg) is np.int32):
         d = np.ascontiguousarray(deg, dtype=np.int64)
         picks = np.empty((deg.size, k), dtype=np.int32)
         redo = np.empty(deg.size, dtype=np.int64)
-        nr = lib.mfg_sorted_picks(r.ctypes.data, d.ctypes.data, deg.size, k,
-                                  picks.ctypes.data, redo.ctypes.data)
-        if nr:
-            u = rng.random((k, nr))  # held: ctypes gets only its address
-            lib.mfg_floyd(u.ctypes.data, d.ctypes.data, redo.ctypes.data, nr, k,
-                          picks.ctypes.data)
+        st = rng.bit_generator.state
+        pcg = np.array([st["state"]["state"] >> 64, st["state"]["state"] & _U64,
+                        st["state"]["inc"] >> 64, st["state"]["inc"] & _U64], dtype=np.uint64)
+        if lib.mfg_draw_picks(pcg.ctypes.data, d.ctypes.data, deg.size, k, picks.ctypes.data,
+                              redo.ctypes.data) < 0:
+            raise ValueError(f"seeded sampling: fanout {k} with a degree not in ({k}, 2^31-1)")
+        st["state"]["state"] = (int(pcg[0]) << 64) | int(pcg[1])
+        rng.bit_generator.state = st  # where numpy's own draws would have left it
         return picks
+    r = rng.random((deg.size, k))
     np.multiply(r, deg[:, None], out=r)
     picks = r.astype(_pos_dtype(deg))
     picks.sort(axis=1)

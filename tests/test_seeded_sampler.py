@@ -225,18 +225,57 @@ def test_positions_and_pairs_uniform(deg, k):
     assert np.abs(off - k * (k - 1) / (deg * (deg - 1))).max() < 0.021
 
 
-@pytest.mark.parametrize("k", [1, 2, 5, 15, 40])
+def _picks_case(k):
+    rng = np.random.default_rng(k)
+    return np.concatenate([np.full(3000, k + 1), rng.integers(k + 1, 4 * k + 2, 3000),
+                           rng.integers(k + 1, 10**6, 3000),
+                           np.full(50, 2**31 - 2)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 15, 16, 17, 32, 33, 40])
 def test_native_picks_equal_numpy_picks(k):
-    """The C pass (scale, sort, find repeats) gives exactly the numpy passes' picks, Floyd's
-    redrawn rows included (degrees just above k repeat often)."""
+    """The C pass (numpy's PCG64 draws made in C, scaled, sorted by rank or by insertion,
+    repeats found, Floyd on those rows) gives exactly the numpy passes' picks, Floyd's redrawn
+    rows included (degrees just above k repeat often), and leaves the generator where numpy's
+    draws leave it."""
     lib = native.load()
     assert lib is not None, native.status()
-    rng = np.random.default_rng(k)
-    deg = np.concatenate([np.full(3000, k + 1), rng.integers(k + 1, 4 * k + 2, 3000),
-                          rng.integers(k + 1, 10**6, 3000)]).astype(np.int64)
-    a = choose_positions(deg, k, np.random.default_rng(5), lib)
-    b = choose_positions(deg, k, np.random.default_rng(5))
+    deg = _picks_case(k)
+    ga, gb = np.random.default_rng(5), np.random.default_rng(5)
+    a = choose_positions(deg, k, ga, lib)
+    b = choose_positions(deg, k, gb)
     assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b)
+    assert ga.bit_generator.state == gb.bit_generator.state
+    assert ga.random(3).tolist() == gb.random(3).tolist()
+
+
+def test_native_picks_refuse_a_degree_at_the_fanout():
+    """A row whose degree is not above the fanout is an error from the C pass (it would loop
+    or read past the row), not picks."""
+    lib = native.load()
+    assert lib is not None, native.status()
+    with pytest.raises(ValueError, match="fanout 5 with a degree"):
+        choose_positions(np.array([9, 5, 7], dtype=np.int64), 5, np.random.default_rng(0), lib)
+
+
+def test_portable_native_picks_equal_the_vector_ones(tmp_path):
+    """native.c built without 128-bit integers and without SSE2 (the plain-C paths other
+    compilers and CPUs take) draws and sorts exactly as the default build."""
+    import ctypes
+    import subprocess
+
+    lib = native.load()
+    assert lib is not None, native.status()
+    so = tmp_path / "portable.so"
+    cmd = [*native.compiler(), *native.CFLAGS, "-U__SIZEOF_INT128__", "-U__SSE2__",
+           "-o", str(so), str(native.SOURCE)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    portable = native._bind(ctypes.CDLL(str(so)))
+    for k in (3, 15, 17, 40):
+        deg = _picks_case(k)
+        a = choose_positions(deg, k, np.random.default_rng(k), portable)
+        b = choose_positions(deg, k, np.random.default_rng(k), lib)
+        assert np.array_equal(a, b), k
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
