@@ -26,11 +26,13 @@ that owns a remote part samples it exactly as the requesting server's copy would
 
 How it is kept fast (the same draws and the same output as the first, plainer version of
 this module, checked by tests/test_seeded_sampler.py against a copy of it). Where the native
-kernels are loaded (common/native.py; the default after ``deploy/install.sh``), the draws
-still come from the numpy generator (two fills: the with-replacement picks, then Floyd's
-uniforms for the rows that repeated) and everything else is a C pass with the GIL released:
-the rows' runs from the indptr, scaling + per-row insertion sort + repeat test, Floyd on the
-repeated rows, and one pass that writes every row's sources (its picks, or its whole run)
+kernels are loaded (common/native.py; the default after ``deploy/install.sh``), every step
+is a C pass with the GIL released: the rows' runs from the indptr; then one call that makes
+the numpy generator's own draws in C (PCG64 from ``rng.bit_generator.state``, the same
+doubles as ``Generator.random``: the with-replacement picks, then Floyd's uniforms for the
+rows that repeated), scales them, sorts each row by rank counts in SSE2 vectors, finds the
+rows with a repeat and runs Floyd on them, without arrays of draws (docs/benchmarks.md,
+"session 27"); and one pass that writes every row's sources (its picks, or its whole run)
 straight from the CSC indices, the next rows' memory fetched ahead (each row is a cache miss;
 measured in docs/benchmarks.md, "session 21"). Otherwise (no compiler, ``MFGSERVE_NATIVE=0``,
 degrees >= 2^31 - 1, indices neither int32 nor int64), every step is
