@@ -7,6 +7,10 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define MFG_BAD_ID (-1)
 #define MFG_NO_MEMORY (-2)
@@ -245,7 +249,6 @@ static inline double mfg_pcg_double(mfg_pcg64 *g)
  * insertion. Every way gives the same sorted row. */
 #define MFG_RANK_W 16
 #if defined(__SSE2__)
-#include <emmintrin.h>
 /* SSE2 (every x86-64): 4 lanes a vector; the compilers tried leave the plain loop scalar. */
 #define MFG_RANK_COUNT(W)                                                                  \
     do {                                                                                   \
@@ -428,4 +431,53 @@ int64_t mfg_row_runs(const int64_t *indptr, int64_t nrows, const int64_t *rows, 
         deg[i] = indptr[rows[i] + 1] - s;
     }
     return 0;
+}
+
+/* Feature rows into a reply: out's row i = base's row ids[i], row_bytes each (a partition's
+ * feature matrix, num_rows rows, into a trainer's shared-memory slot; see
+ * sampler_server/partition_store.py's gather()). The next rows' memory is fetched ahead.
+ * With stream != 0 (large replies) the rows are written with non-temporal stores where SSE2,
+ * 16-byte rows and a 16-byte aligned out allow: a reply larger than the cache is read next
+ * by another process, so loading each destination line before overwriting it only costs
+ * bandwidth (a products-sized gather, two at once: 13-17 ms a batch against 17-22 for
+ * memcpy; docs/benchmarks.md, session 27). Otherwise memcpy per row.
+ * Returns n, or MFG_BAD_ID (nothing written) if an id is outside [0, num_rows). */
+#define MFG_COPY_AHEAD 4
+int64_t mfg_copy_rows(const char *base, int64_t row_bytes, int64_t num_rows, const int64_t *ids,
+                      int64_t n, char *out, int32_t stream)
+{
+    if (row_bytes < 0)
+        return MFG_BAD_ID;
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)ids[i] >= (uint64_t)num_rows)
+            return MFG_BAD_ID;
+#if defined(__SSE2__)
+    const int nt = stream && (row_bytes & 15) == 0 && ((uintptr_t)out & 15) == 0;
+#else
+    const int nt = 0;
+    (void)stream;
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        if (i + MFG_COPY_AHEAD < n) {
+            const char *next = base + ids[i + MFG_COPY_AHEAD] * row_bytes;
+            for (int64_t q = 0; q < row_bytes; q += 64)
+                MFG_PREFETCH(next + q);
+        }
+        const char *src = base + ids[i] * row_bytes;
+        char *dst = out + i * row_bytes;
+#if defined(__SSE2__)
+        if (nt) {
+            for (int64_t q = 0; q < row_bytes; q += 16)
+                _mm_stream_si128((__m128i *)(dst + q),
+                                 _mm_loadu_si128((const __m128i *)(src + q)));
+            continue;
+        }
+#endif
+        memcpy(dst, src, (size_t)row_bytes);
+    }
+#if defined(__SSE2__)
+    if (nt)
+        _mm_sfence(); /* the streamed rows are visible before the reply that names them */
+#endif
+    return n;
 }

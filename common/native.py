@@ -7,7 +7,8 @@ numpy does each as its own pass over memory, with the GIL held between passes; o
 does them all in a single pass with the GIL released, fetching the next rows' memory ahead
 (measured in docs/benchmarks.md, "Native relabel" and "session 21"). Kernels:
 ``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_row_runs``, ``mfg_draw_picks``
-and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py).
+and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py), ``mfg_copy_rows``
+(sampler_server/partition_store.py).
 
 Build: the first use compiles ``native.c`` with ``$CC`` (else the compiler Python was built
 with, else ``cc``) into ``$MFGSERVE_NATIVE_DIR`` (default ``~/.cache/mfgserve``; a private
@@ -107,6 +108,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mfg_relabel.argtypes = [p, i64, p, i64, i64, p, p, p]
     lib.mfg_draw_picks.restype = i64
     lib.mfg_draw_picks.argtypes = [p, p, i64, i64, p, p]
+    lib.mfg_copy_rows.restype = i64
+    lib.mfg_copy_rows.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int32]
     lib.mfg_row_runs.restype = i64
     lib.mfg_row_runs.argtypes = [p, i64, p, i64, p, p]
     lib.mfg_gather_rows.restype = i64

@@ -24,11 +24,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common import native
 from common.dgl_compat import import_dgl
 from common.errors import BadRequestError
 from common.messages import derive_seed
 from partition.layout import Partition, load_node_type, load_partition
 from sampler_server.seeded_sampler import sample_csc, sample_runs
+
+# Feature gathers into a caller's buffer (a trainer's ring slot) of at least this many bytes
+# write with non-temporal stores (common/native.c's mfg_copy_rows): beyond the cache, the
+# reply is read next by another process.
+STREAM_MIN_BYTES = 8 << 20
 
 
 def _as_tensor(a: np.ndarray) -> Tensor:
@@ -247,7 +253,7 @@ class PartitionStore:
             if not with_feat:
                 feat = self.feat.new_empty((0, self.feat.shape[1]))
             elif out is not None:
-                feat = torch.index_select(self.feat, 0, local, out=out)
+                feat = self._copy_rows(local, out)
             else:
                 feat = self.feat.index_select(0, local)
             label = (self.label.index_select(0, local) if with_label
@@ -271,6 +277,24 @@ class PartitionStore:
             label[own_pos] = self.label.index_select(0, own_local)
             label[halo_pos] = self.halo_label.index_select(0, halo_local)
         return feat, label
+
+    def _copy_rows(self, local: Tensor, out: Tensor) -> Tensor:
+        """``index_select(self.feat, 0, local, out=out)``; by the native kernel (the next rows
+        fetched ahead, and non-temporal stores for a reply of ``STREAM_MIN_BYTES`` or more)
+        where it is loaded and both matrices are plain contiguous rows of one dtype."""
+        lib = native.load()
+        f = self.feat
+        if (lib is None or not f.is_contiguous() or not out.is_contiguous()
+                or out.dtype != f.dtype or f.dim() != 2 or out.dim() != 2
+                or out.shape[0] != local.numel() or out.shape[1] != f.shape[1]):
+            return torch.index_select(f, 0, local, out=out)
+        ids = local.to(torch.int64).contiguous()
+        row_bytes = f.shape[1] * f.element_size()
+        got = lib.mfg_copy_rows(f.data_ptr(), row_bytes, f.shape[0], ids.data_ptr(), ids.numel(),
+                                out.data_ptr(), int(ids.numel() * row_bytes >= STREAM_MIN_BYTES))
+        if got != ids.numel():
+            raise IndexError(f"feature gather: a node outside this part's {f.shape[0]} rows")
+        return out
 
     def empty_label(self, n: int) -> Tensor:
         """An uninitialised label tensor for ``n`` nodes, of the part's label dtype and row
