@@ -165,6 +165,7 @@ class ShmRing:
         self.pending: list[tuple[int, object]] = []  # (slot, CUDA event) until the copy is done
         self.in_use: set[int] = set()
         self.poisoned: set[int] = set()
+        self.touched: set[int] = set()  # slots ever handed out: the ring's resident part
         self.released = 0
         self.closed = False
 
@@ -180,8 +181,9 @@ class ShmRing:
             self.pending = still
         if not self.free:
             return None
-        slot = self.free.pop()
+        slot = self.free.pop()  # the slot freed last: its pages are mapped and warm
         self.in_use.add(slot)
+        self.touched.add(slot)
         return slot
 
     def ref(self, slot: int) -> SlotRef:

@@ -2,7 +2,9 @@
 the trainer takes turns with the servers (no request is out while it holds a batch to
 compute on) and gets exactly the batches "overlap" gets; "auto" alternates only for a CPU
 trainer whose threads cover every core (``threads_cover_cores``) once a server on its host
-has written into its ring; a loop left in the middle of a window gives every slot back."""
+has written into its ring; a loop left in the middle of a window gives every slot back; a
+consumer that drops each batch before asking for the next touches ``max_inflight`` + 1 slots,
+and the training loop's batch generator (``_batches``) keeps no batch behind."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from common.shm_ring import ShmRing
 from partition.layout import load_partition
 from trainer_client.loader import DistNodeDataLoader
-from trainer_client.train import threads_cover_cores
+from trainer_client.train import _batches, threads_cover_cores
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,3 +114,56 @@ def test_threads_cover_cores():
             assert not threads_cover_cores(torch.device("cpu"))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("prefetch", ["overlap", "alternate"])
+def test_a_dropped_batch_frees_its_slot_for_the_next_requests(prefetch, pool2, synth_parts2):
+    """The training loop drops each batch before asking for the next (trainer_client/train.py):
+    its slot is free again when the loader sends its next requests, so a whole epoch runs in
+    max_inflight + 1 slots (the ring has max_inflight + 2, and each slot touched costs its
+    pages' first touches); a batch still held when the next is asked for pins one more."""
+    for drop, want in ((True, 4), (False, 5)):  # max_inflight 3
+        ring = ShmRing(6, 4 << 20)
+        loader = _loader(pool2, synth_parts2, ring, prefetch=prefetch)
+        n = 0
+        for _, _, mfg in loader:
+            assert mfg[0].srcdata["feat"].shape[0] == mfg.input_nodes.numel()
+            n += 1
+            if drop:
+                del mfg
+        assert n == len(loader) > 6 and loader.stats.ring_hits == n
+        assert len(ring.touched) == want, (prefetch, drop, sorted(ring.touched))
+        if not drop:
+            del mfg
+        assert not ring.in_use and not ring.poisoned
+        ring.close()
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_batches_keeps_no_batch_behind(bar, capsys):
+    """``_batches`` (with or without its progress bar) holds no batch once the next one is
+    asked for, so the caller's ``del`` really frees a batch's ring slot."""
+    import weakref
+
+    class Batch:
+        pass
+
+    made: list = []
+
+    class Loader:
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            for _ in range(4):
+                b = Batch()
+                made.append(weakref.ref(b))
+                yield None, None, b
+                del b
+
+    seen = 0
+    for _, _, b in _batches(Loader(), bar, desc="t"):
+        assert all(r() is None for r in made[:-1]), "an earlier batch is still alive"
+        seen += 1
+        del b
+    assert seen == 4 and all(r() is None for r in made)

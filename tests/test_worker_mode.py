@@ -19,6 +19,8 @@ import psutil
 import pytest
 from procs import REPO, run_cli
 
+from common.config import TrainerConfig
+
 SETTINGS = ["--num-trainers", "2", "--epochs", "50", "--fanouts", "10,10", "--batch-size", "64",
             "--no-progress"]
 
@@ -107,6 +109,11 @@ def test_default_synthetic_dataset(tmp_path):
     pf = summary["prefetch"]
     assert pf["mode"] == "auto" and pf["alternated"] == (1 < threads >= cores), pf
     assert (pf["bursts"] > 0) == pf["alternated"], pf
+    # the default path: the servers share the host, so every reply lands in the ring; the
+    # training loop drops each batch before the next requests go out (max_inflight + 1 slots)
+    ring = summary["shm_ring"]
+    assert ring["used"] and ring["requests_without_slot"] == 0, ring
+    assert 1 <= ring["slots_used"] <= TrainerConfig().max_inflight + 1 < ring["slots"], ring
     _assert_clean(tmp_path, str(work))
 
 

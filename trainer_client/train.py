@@ -115,12 +115,26 @@ def pick_device(cfg: TrainerConfig | InferConfig, local_rank: int) -> torch.devi
     return torch.device("cpu")
 
 
-def _progress(iterable, enabled: bool, **kw):
-    if not enabled:
-        return iterable
-    from tqdm import tqdm
+def _batches(loader, enabled: bool, **kw):
+    """``loader``'s batches, with a progress bar if ``enabled``. Neither this generator nor
+    the bar keeps a batch once the caller asks for the next one (the callers drop theirs at
+    the end of each step), so its shared-memory ring slot is free again before the loader
+    sends its next requests: a run touches ``--max-inflight`` + 1 slots, not + 2
+    (``shm_ring.slots_used`` in the summary; each slot's pages cost a first touch)."""
+    bar = None
+    if enabled:
+        from tqdm import tqdm
 
-    return tqdm(iterable, leave=False, dynamic_ncols=True, **kw)
+        bar = tqdm(total=len(loader), leave=False, dynamic_ncols=True, **kw)
+    try:
+        for batch in loader:
+            yield batch
+            del batch
+            if bar is not None:
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _all_sum(values: list[float], ddp: DDPSetup, device: torch.device) -> list[float]:
@@ -365,11 +379,12 @@ def evaluate(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     if run.task.binary:
         return _evaluate_rocauc(run, loader, desc)
     correct = total = 0
-    for _, _, mfg in _progress(loader, run.show, desc=desc):
+    for _, _, mfg in _batches(loader, run.show, desc=desc):
         logits = run.model(mfg, _inputs(run, mfg))
         labels = seed_labels(mfg)
         correct += int((logits.argmax(1) == labels).sum())
         total += labels.numel()
+        del mfg, logits  # the batch's ring slot is free before the next requests go out
     c, t = _all_sum([correct, total], run.ddp, run.device)
     return c / max(t, 1.0)
 
@@ -378,9 +393,10 @@ def _evaluate_rocauc(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     """ROC-AUC of the whole split: every rank's logits and labels gathered, then scored once
     (rank 0 scores, the others get the value with the sum collective)."""
     preds, labels = [], []
-    for _, _, mfg in _progress(loader, run.show, desc=desc):
+    for _, _, mfg in _batches(loader, run.show, desc=desc):
         preds.append(run.model(mfg, _inputs(run, mfg)).float())
         labels.append(seed_labels(mfg).float())
+        del mfg
     t = run.task.num_tasks
     pred = torch.cat(preds) if preds else torch.empty((0, t), device=run.device)
     label = torch.cat(labels).to(pred.device) if labels else torch.empty((0, t),
@@ -418,8 +434,9 @@ def train_epoch(run: Run, epoch: int) -> EpochResult:
     loader.set_epoch(epoch)
     res = EpochResult()
     num_batches = len(loader)
-    for _, _, mfg in _progress(loader, run.show, desc=f"epoch {epoch}"):
+    for _, _, mfg in _batches(loader, run.show, desc=f"epoch {epoch}"):
         _step(run, mfg, res, epoch, num_batches)
+        del mfg  # its ring slot is free again before the loader sends the next requests
     return res
 
 
@@ -826,7 +843,7 @@ def _ring_summary(run: Run, ring) -> dict | None:
         return None
     st = run.train_loader.stats
     return {"slots": ring.num_slots, "slot_mb": round(ring.slot_bytes / 2**20, 1),
-            "pinned": ring.pinned, "used": st.ring_hits > 0,
+            "slots_used": len(ring.touched), "pinned": ring.pinned, "used": st.ring_hits > 0,
             "servers_without_ring": sorted(run.train_loader.no_ring),
             "replies_in_ring": st.ring_hits, "requests_without_slot": st.ring_misses}
 
