@@ -120,9 +120,12 @@ def test_threads_cover_cores():
 def test_a_dropped_batch_frees_its_slot_for_the_next_requests(prefetch, pool2, synth_parts2):
     """The training loop drops each batch before asking for the next (trainer_client/train.py):
     its slot is free again when the loader sends its next requests, so a whole epoch runs in
-    max_inflight + 1 slots (the ring has max_inflight + 2, and each slot touched costs its
-    pages' first touches); a batch still held when the next is asked for pins one more."""
-    for drop, want in ((True, 4), (False, 5)):  # max_inflight 3
+    max_inflight + 1 slots overlapping (the one decoded ahead), and in max_inflight slots
+    alternating (a window's last batch goes out before the next window is sent); the ring has
+    max_inflight + 2, and each slot touched costs its pages' first touches. A batch still held
+    when the next is asked for pins one more."""
+    base = 3 if prefetch == "alternate" else 4  # max_inflight 3
+    for drop, want in ((True, base), (False, base + 1)):
         ring = ShmRing(6, 4 << 20)
         loader = _loader(pool2, synth_parts2, ring, prefetch=prefetch)
         n = 0

@@ -11,9 +11,9 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
 * At most ``max_inflight`` requests are outstanding (credit-based prefetch); batches are
   yielded in order. ``prefetch`` says when they are sent (``--prefetch``, common/config.py):
   ``"overlap"`` tops the window up after every batch, so the servers sample while the model
-  computes; ``"alternate"`` sends a whole window only when none is outstanding and hands out
-  its first batch once every reply of the window has arrived, so sampling and compute take
-  turns; ``"auto"`` alternates when ``alternate_if_local`` (the caller's threads cover every
+  computes; ``"alternate"`` sends a whole window only when none is outstanding and the
+  previous window's last batch has been handed out, and hands out its first batch once every
+  reply of the window has arrived, so sampling and compute take turns; ``"auto"`` alternates when ``alternate_if_local`` (the caller's threads cover every
   core) and a server has written into this trainer's shared-memory ring (it shares the
   host), else overlaps.
 * ``batch_locality="part"`` (training): batches are made of one part's seeds, in a shuffled
@@ -376,6 +376,15 @@ class DistNodeDataLoader:
             while batches or inflight:
                 alternate = self.alternating()
                 if batches and not (alternate and inflight):
+                    if alternate and ready is not None:
+                        # The window's last batch goes out before the next window: it is
+                        # computed on before the servers' turn instead of after it (the same
+                        # turns), and its ring slot is free for the next window, so an
+                        # alternating run fills max_inflight slots, not max_inflight + 1.
+                        out, ready = self._finish(ready), None
+                        yield out.input_nodes, out.output_nodes, out
+                        del out
+                        alternate = self.alternating()
                     while batches and len(inflight) < self.max_inflight:
                         inflight.append(self._submit(*batches.popleft()))
                     if alternate:  # the whole window arrives before any of it is computed on
