@@ -13,9 +13,9 @@ and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
   ``"overlap"`` tops the window up after every batch, so the servers sample while the model
   computes; ``"alternate"`` sends a whole window only when none is outstanding and the
   previous window's last batch has been handed out, and hands out its first batch once every
-  reply of the window has arrived, so sampling and compute take turns; ``"auto"`` alternates when ``alternate_if_local`` (the caller's threads cover every
-  core) and a server has written into this trainer's shared-memory ring (it shares the
-  host), else overlaps.
+  reply of the window has arrived, so sampling and compute take turns; ``"auto"`` alternates
+  when ``alternate_if_local`` (the caller's threads cover every core) and a server has
+  written into this trainer's shared-memory ring (it shares the host), else overlaps.
 * ``batch_locality="part"`` (training): batches are made of one part's seeds, in a shuffled
   order (see :func:`shard_batches`); the guarantees above still hold.
 * A batch goes to a server of the part owning most of its seeds; that server samples across
@@ -384,7 +384,6 @@ class DistNodeDataLoader:
                         out, ready = self._finish(ready), None
                         yield out.input_nodes, out.output_nodes, out
                         del out
-                        alternate = self.alternating()
                     while batches and len(inflight) < self.max_inflight:
                         inflight.append(self._submit(*batches.popleft()))
                     if alternate:  # the whole window arrives before any of it is computed on
