@@ -1632,7 +1632,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="network bandwidth per node in Gbit/s (a comma list: one row each)")
     q.add_argument("--gpu-step-ms", type=_positive_float,
                    help="GPU time of one training step (one batch); default: SALIENT's "
-                        "published papers100M figure scaled by input nodes (see --help of "
+                        "published papers100M figure scaled by input nodes (see "
                         "docs/scaling.md)")
     q.add_argument("--server-cores", type=int, default=16,
                    help="sampling cores per server node (default 16)")

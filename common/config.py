@@ -165,8 +165,8 @@ class TrainerConfig:
         "local part's seeds) and shuffles the batch order; a batch then goes to the server "
         "owning all of its seeds, so a partitioning with a lower edge cut needs fewer "
         "server-to-server requests", choices=["global", "part"])
-    hidden: int = opt(256, "hidden size of GraphSAGE")
-    dropout: float = opt(0.5, "dropout between GraphSAGE layers")
+    hidden: int = opt(256, "hidden size of the model's layers (--model)")
+    dropout: float = opt(0.5, "dropout between the model's layers (--model)")
     lr: float = opt(3e-3, "Adam learning rate")
     weight_decay: float = opt(5e-4, "Adam weight decay")
     max_inflight: int = opt(4, "sample requests in flight per trainer (prefetch depth)")
@@ -210,9 +210,10 @@ class TrainerConfig:
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
     run_dir: str = opt(
         "", "directory for this run's outputs (config.json, metrics.jsonl, summary.json, "
-        "best_model.pt, checkpoints/); empty: runs/<UTC yyyymmdd-HHMMSS>-<6 hex> under the "
-        "current directory. With --resume and neither --run-dir nor --checkpoint-dir: the "
-        "newest run under ./runs that has a checkpoint")
+        "best_model.pt, checkpoints/); empty: a new runs/<UTC yyyymmdd-HHMMSS>-<6 hex> "
+        "(trainer-client: under the current directory; worker-mode: under --work-dir). With "
+        "--resume and neither --run-dir nor --checkpoint-dir: the newest run in that runs/ "
+        "that has a checkpoint")
     model: str = opt(
         "auto", "model: sage (GraphSAGE, mean aggregation), gcn, gat (plain torch), dgl-sage "
         "(dgl.nn.SAGEConv through Block.to_dgl(); needs dgl); typed models (over typed MFGs, "

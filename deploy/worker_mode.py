@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="worker-mode",
         description="Run sampler servers for every partition and DDP trainers on this node, "
-                    "train GraphSAGE, and print a JSON summary as the last stdout line. With "
+                    "train a GNN (--model), and print a JSON summary as the last stdout line. With "
                     "neither --parts nor --dataset-dir, a synthetic graph is generated and "
                     "partitioned (cached under --work-dir).")
     p.add_argument("--config", help="YAML file with worker-mode options; nested 'trainer:' and "

@@ -1,4 +1,4 @@
-"""``trainer-client``: one DDP rank training GraphSAGE on MFGs served by the sampler servers.
+"""``trainer-client``: one DDP rank training a GNN (GraphSAGE by default) on MFGs served by the sampler servers.
 
 Rank/world size come from the command line or, under ``torchrun``, from the environment
 (read in :mod:`deploy.trainer_cli`, the console-script entry point).
@@ -34,7 +34,7 @@ PROG = "trainer-client"
 def build_parser(ddp_defaults: DDPConfig | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Train GraphSAGE with PyTorch DDP on mini-batches (MFGs + features + "
+        description="Train a GNN (--model) with PyTorch DDP on mini-batches (MFGs + features + "
                     "labels) sampled by mfgserve sampler servers. Prints a JSON summary as the "
                     "last stdout line (rank 0).")
     p.add_argument("--config", help="YAML file with trainer options (command-line options "
