@@ -251,6 +251,13 @@ def _sample_requests(endpoint: str) -> float:
     return call(endpoint, StatsRequest(), StatsReply, timeout_s=30).values["sample_requests"]
 
 
+# The replica is frozen once it has served 3 requests. Every epoch after that must still send
+# it requests (round-robin), or the run can end before the trainer notices: with 4 epochs
+# (0.4 s each after the first) a fast machine finished the run first (1 failure in a clean-clone
+# suite run). 40 epochs leave the test's poll well over 10 s to act in.
+EPOCHS = 40
+
+
 def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_path):
     """trainer-client (ring on: the default) against 2 parts x 2 replicas; a replica of part 0
     is frozen mid-training, its requests re-sent once the trainer sees it frozen, then it is
@@ -261,7 +268,7 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
     out, err = tmp_path / "t.out", tmp_path / "t.err"
     argv = [sys.executable, "-m", "deploy.trainer_cli", "--cluster", str(path),
             "--fanouts", ",".join(map(str, FANOUTS)), "--rel-fanouts", REL_FANOUTS,
-            "--batch-size", "16", "--hidden", "16", "--epochs", "4", "--no-progress",
+            "--batch-size", "16", "--hidden", "16", "--epochs", str(EPOCHS), "--no-progress",
             "--num-threads", "1", "--heartbeat-timeout-s", "3", "--request-timeout-s", "60",
             "--run-dir", str(tmp_path / "run")]
     with open(out, "w") as fo, open(err, "w") as fe:
@@ -270,7 +277,7 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
     try:
         def training() -> bool:
             assert trainer.poll() is None, f"trainer exited early:\n{tail(err)}"
-            return _sample_requests(victim_ep) >= 3  # early in epoch 0 of 4
+            return _sample_requests(victim_ep) >= 3  # early in epoch 0
 
         _wait_until(training, 120, "the trainer sampling from the replica", poll=0.1)
         os.kill(victim.proc.pid, signal.SIGSTOP)
@@ -293,7 +300,7 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
             victim.proc.wait(timeout=10)
     assert code == 0, tail(err, 40)
     s = json.loads(out.read_text().strip().splitlines()[-1])
-    assert s["model"] == "rsage" and s["num_parts"] == 2 and s["epochs_done"] == 4, s
+    assert s["model"] == "rsage" and s["num_parts"] == 2 and s["epochs_done"] == EPOCHS, s
     print(f"\ntrainer-client: {s['failovers']} request(s) re-sent, "
           f"{s['shm_ring']['replies_in_ring']} replies in the ring, test_acc {s['test_acc']}")
     assert s["failovers"] > 0, s
