@@ -272,11 +272,16 @@ def test_wrong_layout_exits_2_naming_the_file(mag, tmp_path, remove, needle):
 
 @pytest.mark.timeout(120)
 def test_typed_graph_refuses_streaming_and_homogeneous_refuses_derive(mag, tmp_path):
+    from partition.synthetic import write_ogb_raw
+
     raw_dir, _ = mag
     r = _cli("--dataset-dir", raw_dir, "--method", "fennel", "--num-parts", 2, "--out",
              tmp_path / "o", "--no-progress")
     assert r.returncode == 2 and "heterogeneous (typed)" in r.stderr, r.stderr[-2000:]
-    r = _cli("--dataset-dir", REPO.parent / "shared" / "datasets" / "cora", "--derive-features",
+    # a homogeneous dataset the test writes itself: it runs without ../shared beside the clone
+    homogeneous = tmp_path / "homogeneous"
+    write_ogb_raw(_directed_homogeneous(), homogeneous, progress=False)
+    r = _cli("--dataset-dir", homogeneous, "--derive-features",
              "mean", "--out", tmp_path / "o", "--no-progress")
     assert r.returncode == 2 and "--derive-features" in r.stderr, r.stderr[-2000:]
 
