@@ -3,12 +3,13 @@
 mfgserve side: real sampler server processes are started exactly as ``worker-mode`` starts
 them (:func:`deploy.worker_mode.start_servers`: ``servers_per_part`` servers per part on
 private ``ipc://`` sockets, the ServerConfig options on their command lines, the launcher's
-``OMP_WAIT_POLICY=PASSIVE``), and this process is the trainer: the REAL trainer loader
-(:class:`trainer_client.loader.DistNodeDataLoader` over :func:`trainer_client.train.make_pool`,
-with the shared-memory ring from :func:`trainer_client.train.make_ring`, on by default as a
-same-host trainer has it; deterministic sampling as the trainer's default) yields batches,
-and the consumer touches them without a model: a sum over the input features
-(``mfg[0].srcdata["feat"]``) and over the seed labels (``mfg[-1].dstdata["label"]``).
+environment for servers: ``OMP_WAIT_POLICY=PASSIVE``), and this process is the trainer: the
+REAL trainer loader (:class:`trainer_client.loader.DistNodeDataLoader` over
+:func:`trainer_client.train.make_pool`, with the shared-memory ring from
+:func:`trainer_client.train.make_ring`, on by default as a same-host trainer has it;
+deterministic sampling as the trainer's default) yields batches, and the consumer touches
+them without a model: a sum over the input features (``mfg[0].srcdata["feat"]``) and over
+the seed labels (``mfg[-1].dstdata["label"]``).
 
 Measured with 1 server and with 2 servers. Two servers means two *replicas* of the same part
 (``worker-mode --servers-per-part 2``), not a 2-part set: on one node every server maps the
@@ -101,19 +102,6 @@ def _own_cpu() -> float:
 
 
 @contextlib.contextmanager
-def _env(**values: str):
-    """Set environment variables that are not set already; restore afterwards."""
-    added = [k for k in values if k not in os.environ]
-    for k in added:
-        os.environ[k] = values[k]
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
-@contextlib.contextmanager
 def _torch_threads(n: int | None):
     old = torch.get_num_threads()
     if n:
@@ -190,9 +178,10 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
     ctx = zmq.Context()
     try:
         t_spawn = time.perf_counter()
-        with _env(OMP_WAIT_POLICY="PASSIVE"):  # what worker-mode sets for its children
-            cluster_file, servers, token = start_servers(wcfg, group, str(parts),
-                                                         meta.num_parts, sock_dir)
+        # start_servers gives the servers worker-mode's environment (OMP_WAIT_POLICY=PASSIVE
+        # unless set; deploy/worker_mode.py's child_env)
+        cluster_file, servers, token = start_servers(wcfg, group, str(parts),
+                                                     meta.num_parts, sock_dir)
         startup_s = time.perf_counter() - t_spawn
         endpoints = [ep for _, ep in servers]
         server_procs = [psutil.Process(c.pid) for c in group.children]

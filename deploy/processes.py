@@ -72,10 +72,12 @@ class ProcessGroup:
         self.children: list[Child] = []
         self.escalation = "none"
 
-    def spawn(self, name: str, argv: list[str], *, stdout=None) -> Child:
-        """Start a child; its stderr is echoed to ours and the last lines kept for errors."""
+    def spawn(self, name: str, argv: list[str], *, stdout=None,
+              env: dict[str, str] | None = None) -> Child:
+        """Start a child (with ``env`` as its whole environment when given, else ours); its
+        stderr is echoed to ours and the last lines kept for errors."""
         proc = subprocess.Popen(argv, stdout=stdout if stdout is not None else sys.stderr,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True, preexec_fn=die_with_parent)
         child = Child(name, proc)
 

@@ -129,6 +129,36 @@ def _partition_into(out: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def trainer_threads(cfg: WorkerModeConfig) -> int:
+    """torch threads per trainer: ``--num-threads``, else the cores split over the trainers."""
+    return cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_trainers)
+
+
+def child_env(role: str, clients: int = 1, threads: int = 1) -> dict[str, str]:
+    """The environment of a worker-mode child: ours, with ``OMP_WAIT_POLICY`` chosen per role
+    unless the user set it (then theirs, for every child).
+
+    * ``"server"``: PASSIVE. A server computes with one torch thread; an OpenMP pool that
+      spins while idle (DGL's unseeded sampler has one) would take the cores the trainer
+      computes on.
+    * ``"client"`` (trainers, the inference stage): ``clients`` processes of ``threads``
+      torch threads each. libgomp's default (each idle thread spins for a few milliseconds,
+      then sleeps), as DGL's training process has it, when their threads do not outnumber
+      the cores; PASSIVE when they do, where a spinning thread would hold a core another
+      process's thread is waiting for. Under PASSIVE every parallel region of a step wakes
+      the pool's sleeping threads (about 140 times per step of the benchmark's seed model),
+      and on this project's 2-core VM that made the step 10-20 % slower: worker mode on the
+      RMAT benchmark graph read 9,650-10,800 seeds/s with PASSIVE against 10,400-12,300
+      with the default, in 7 alternated pairs (docs/benchmarks.md, "Issue 14, session 32").
+      The trainer's threads spin only at the start of its wait for the servers' turn.
+    """
+    env = dict(os.environ)
+    if "OMP_WAIT_POLICY" not in env and (
+            role == "server" or clients * threads > (os.cpu_count() or 1)):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
+
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
                   summary_file: Path, done_file: Path) -> list[str]:
     """The ``trainer-client`` command line of ``rank``: every trainer option of ``cfg``
@@ -136,7 +166,7 @@ def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: in
     t = cfg.trainer
     t = dataclasses.replace(
         t, cluster=str(cluster_file), progress=t.progress and rank == 0,
-        num_threads=t.num_threads or max(1, (os.cpu_count() or 1) // cfg.num_trainers),
+        num_threads=trainer_threads(cfg),
         summary_out=str(summary_file) if rank == 0 else "")
     ddp = DDPConfig(rank=rank, world_size=cfg.num_trainers, local_rank=rank,
                     master_addr="127.0.0.1", master_port=port, done_file=str(done_file),
@@ -222,7 +252,8 @@ def infer_stage(cfg: WorkerModeConfig, group: ProcessGroup, cluster_file: Path, 
     out = tmp / "inference.json"
     with open(out, "w") as stdout:
         child = group.spawn("inference", [sys.executable, "-m", "deploy.infer_cli",
-                                          *to_argv(icfg)], stdout=stdout)
+                                          *to_argv(icfg)], stdout=stdout,
+                            env=child_env("client", 1, t.num_threads or os.cpu_count() or 1))
         wait_child(group, child, servers)
     lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
     if not lines:
@@ -251,7 +282,7 @@ def start_servers(cfg: WorkerModeConfig, group: ProcessGroup, parts: str, num_pa
         name = f"server p{p} {ep.rsplit('/', 1)[-1]}"
         ready[name] = sock_dir / f"{ep.rsplit('/', 1)[-1]}.ready"
         group.spawn(name, server_argv(cfg.server, parts, p, ep, cluster_file, token_file,
-                                      str(ready[name])))
+                                      str(ready[name])), env=child_env("server"))
         servers.append((name, ep))
     wait_ready(group, servers, cfg.startup_timeout_s, ready)
     return cluster_file, servers, token
@@ -261,10 +292,6 @@ def run(cfg: WorkerModeConfig) -> dict:
     t0 = time.perf_counter()
     cfg = with_run_dir(cfg)
     print(f"worker-mode: run directory {cfg.trainer.run_dir}", file=sys.stderr, flush=True)
-    # Trainers and servers share the cores: OpenMP threads that spin while waiting steal
-    # them from the other processes. Measured on 2 cores (1M-node graph, 3 runs each):
-    # 1,194-1,452 seeds/s spinning, 1,369-1,379 passive. A value the user set is kept.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parts = prepare_parts(cfg)
     meta = PartitionSetMeta.load(parts)
     prep_s = time.perf_counter() - t0
@@ -281,8 +308,9 @@ def run(cfg: WorkerModeConfig) -> dict:
         port = free_tcp_port()
         summary_file = sock_dir / "summary.json"
         done = [sock_dir / f"rank{r}.done" for r in range(cfg.num_trainers)]
+        env = child_env("client", cfg.num_trainers, trainer_threads(cfg))
         trainers = [(group.spawn(f"trainer rank {r}", _trainer_argv(
-                        cfg, cluster_file, r, port, summary_file, done[r])), done[r])
+                        cfg, cluster_file, r, port, summary_file, done[r]), env=env), done[r])
                     for r in range(cfg.num_trainers)]
         wait_trainers(group, trainers)
         inference = (infer_stage(cfg, group, cluster_file, parts, servers, sock_dir)

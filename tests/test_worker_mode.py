@@ -103,6 +103,9 @@ def test_default_synthetic_dataset(tmp_path):
     assert summary["dataset"].startswith("synthetic") and summary["epochs"] == 3
     assert summary["test_acc"] > 0.3, summary  # 8 classes: well above chance (0.125)
     assert summary["malloc_retain_mb"] == 256, summary  # the default took effect (glibc)
+    # one trainer with cores threads: libgomp's default wait policy (deploy/worker_mode.py's
+    # child_env), unless the user set one
+    assert summary["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "default"), summary
     # --prefetch auto: one trainer gets every core as torch threads (worker-mode's default),
     # so with the servers on its host it alternates sampling and compute (if it has 2+).
     threads, cores = max(1, os.cpu_count() or 1), len(os.sched_getaffinity(0))
@@ -160,6 +163,15 @@ def test_child_death_stops_everything(synth_parts2, tmp_path):
 def test_sigint_shuts_down_cleanly(synth_parts2, tmp_path):
     proc, launcher = _start_long_run(synth_parts2, tmp_path)
     kids = launcher.children()
+    # worker-mode's OpenMP wait policy per role (deploy/worker_mode.py's child_env): servers
+    # PASSIVE; the 2 trainers' threads (cores // 2 each) do not outnumber the cores, so they
+    # keep libgomp's default (not set), as DGL's training process has it
+    policy = {" ".join(k.cmdline()): k.environ().get("OMP_WAIT_POLICY") for k in kids}
+    user = os.environ.get("OMP_WAIT_POLICY")
+    for cmd, got in policy.items():
+        want = user or ("PASSIVE" if "sampler_server.main" in cmd else None)
+        assert got == want, (cmd, got, want)
+    assert sum("trainer_client.main" in c for c in policy) == 2, policy
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=60)
@@ -195,3 +207,23 @@ def test_sigkilled_launcher_leaves_nothing_running_and_next_run_cleans_up(synth_
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"removed {stale[0]}" in again.stderr
     _assert_clean(tmp_path, str(synth_parts2))
+
+
+def test_child_env_chooses_the_openmp_wait_policy_per_role(monkeypatch):
+    """Servers wait passively; clients keep libgomp's default unless their threads outnumber
+    the cores; a policy the user set goes to every child unchanged."""
+    from deploy import worker_mode
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(worker_mode.os, "cpu_count", lambda: 4)
+    monkeypatch.setenv("MFGSERVE_ENV_PROBE", "kept")
+    server = worker_mode.child_env("server")
+    assert server["OMP_WAIT_POLICY"] == "PASSIVE" and server["MFGSERVE_ENV_PROBE"] == "kept"
+    for clients, threads in ((1, 4), (2, 2), (4, 1), (1, 1)):
+        env = worker_mode.child_env("client", clients, threads)
+        assert "OMP_WAIT_POLICY" not in env and env["MFGSERVE_ENV_PROBE"] == "kept"
+    for clients, threads in ((1, 5), (2, 4), (3, 2)):
+        assert worker_mode.child_env("client", clients, threads)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_mode.child_env("server")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert worker_mode.child_env("client", 3, 2)["OMP_WAIT_POLICY"] == "ACTIVE"

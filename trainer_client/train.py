@@ -802,6 +802,9 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "device": str(device),
         "stages_s": stages,
         "malloc_retain_mb": _RETAINED_MB,  # 0: the allocator's defaults (see common/alloc.py)
+        # OpenMP's wait policy for this rank's torch threads (worker mode chooses it per
+        # role, deploy/worker_mode.py's child_env); "default": not set, libgomp's own
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
                      "bursts": run.train_loader.stats.bursts},
