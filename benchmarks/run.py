@@ -332,7 +332,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
             "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
             "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
-            "prefetch")
+            "prefetch", "omp_wait_policy")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \
         summary.get("num_trainers", 1)
@@ -765,6 +765,9 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "worker_sampler_procs": args.worker_sampler_procs, "shm_ring": args.shm_ring,
             "worker_timeout_s": args.worker_timeout_s,
             "malloc_retain_mb": args.malloc_retain_mb,
+            # this process's (DGL's side, the in-process steps); worker mode's trainers report
+            # theirs in their results (deploy/worker_mode.py's child_env)
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
             "dgl_warmup_batches": DGL_WARMUP_BATCHES,
             "synthetic_nodes": None if args.parts else args.synthetic_nodes,
             "hetero": {"papers": args.hetero_papers, "epochs": args.hetero_epochs,
