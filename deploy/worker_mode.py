@@ -148,9 +148,9 @@ def child_env(role: str, clients: int = 1, threads: int = 1) -> dict[str, str]:
       process's thread is waiting for. Under PASSIVE every parallel region of a step wakes
       the pool's sleeping threads (about 140 times per step of the benchmark's seed model),
       and on this project's 2-core VM that made the step 10-20 % slower: worker mode on the
-      RMAT benchmark graph read 9,650-10,800 seeds/s with PASSIVE against 10,400-12,300
-      with the default, in 7 alternated pairs (docs/benchmarks.md, "Issue 14, session 32").
-      The trainer's threads spin only at the start of its wait for the servers' turn.
+      RMAT benchmark graph read a median 10,013 seeds/s with PASSIVE against 10,820 with the
+      default, ahead in 8 of 10 alternated pairs (docs/benchmarks.md, "Issue 14, session
+      32"). The trainer's threads spin only at the start of its wait for the servers' turn.
     """
     env = dict(os.environ)
     if "OMP_WAIT_POLICY" not in env and (
