@@ -25,9 +25,11 @@
 #define MFG_AHEAD 8
 #if defined(__GNUC__) || defined(__clang__)
 #define MFG_PREFETCH(p) __builtin_prefetch(p)
+#define MFG_PREFETCH_L2(p) __builtin_prefetch((p), 0, 1)
 #define MFG_CTZ64(x) __builtin_ctzll(x)
 #else
 #define MFG_PREFETCH(p) ((void)0)
+#define MFG_PREFETCH_L2(p) ((void)0)
 static int mfg_ctz64(uint64_t x) /* x != 0 */
 {
     int n = 0;
@@ -441,8 +443,12 @@ int64_t mfg_row_runs(const int64_t *indptr, int64_t nrows, const int64_t *rows, 
  * by another process, so loading each destination line before overwriting it only costs
  * bandwidth (a products-sized gather, two at once: 13-17 ms a batch against 17-22 for
  * memcpy; docs/benchmarks.md, session 27). Otherwise memcpy per row.
+ * The rows ahead are fetched into L2 only (prefetcht2), 8 rows ahead: a 400-byte row is 7
+ * lines, and 4 rows' lines fetched into L1 (prefetcht0, until session 33) overran its few
+ * fill buffers; the L2 form with 8 rows ahead is 12-18 % faster, one gather or two at once,
+ * products and RMAT rows (docs/benchmarks.md, "Issue 14, session 33").
  * Returns n, or MFG_BAD_ID (nothing written) if an id is outside [0, num_rows). */
-#define MFG_COPY_AHEAD 4
+#define MFG_COPY_AHEAD 8
 int64_t mfg_copy_rows(const char *base, int64_t row_bytes, int64_t num_rows, const int64_t *ids,
                       int64_t n, char *out, int32_t stream)
 {
@@ -461,7 +467,7 @@ int64_t mfg_copy_rows(const char *base, int64_t row_bytes, int64_t num_rows, con
         if (i + MFG_COPY_AHEAD < n) {
             const char *next = base + ids[i + MFG_COPY_AHEAD] * row_bytes;
             for (int64_t q = 0; q < row_bytes; q += 64)
-                MFG_PREFETCH(next + q);
+                MFG_PREFETCH_L2(next + q);
         }
         const char *src = base + ids[i] * row_bytes;
         char *dst = out + i * row_bytes;
