@@ -5,6 +5,9 @@ and one server per part when the set has several parts; only part 0 is asked). T
 is the client: it keeps ``inflight`` :class:`~common.messages.SampleRequest` s outstanding on
 one :class:`~common.rpc.RpcChannel` until ``num_batches`` replies (full MFG + input features +
 seed labels) have arrived. Seeds are part 0's training seeds, shuffled, ``batch_size`` a batch.
+Each request carries a sample seed, as a trainer's do by default (``--deterministic-sampling``:
+the server's seeded sampler, sampler_server/seeded_sampler.py); ``sampling="unseeded"`` sends
+none (DGL's C++ sampler, as ``--no-deterministic-sampling`` trainers get).
 
 Figures (after ``warmup`` untimed replies): ``batches_per_s``, ``seeds_per_s``, ``mb_per_s``
 (reply bytes received, 10^6 bytes/s) and ``input_nodes_per_batch``; ``server_stats`` holds the
@@ -41,6 +44,7 @@ from common.messages import (
     Shutdown,
     StatsReply,
     StatsRequest,
+    derive_seed,
 )
 from common.rpc import RpcChannel, expect
 from common.sampled_mfg import FEAT_RING
@@ -49,6 +53,8 @@ from common.sockets import new_token_file
 from common.stats import ServerStats
 from deploy.processes import ProcessGroup
 from partition.layout import PartitionSetMeta
+
+SAMPLING = ("seeded", "unseeded")
 
 
 class ServerBenchError(RuntimeError):
@@ -123,15 +129,20 @@ class _Streamed:
 
 
 def _stream(ch: RpcChannel, ep: str, stream: Iterator[torch.Tensor], fanouts: list[int],
-            ring: ShmRing | None, total: int, warmup: int, inflight: int) -> _Streamed:
+            ring: ShmRing | None, total: int, warmup: int, inflight: int,
+            sample_seed: int = -1) -> _Streamed:
     """Keep ``inflight`` requests outstanding until ``total`` replies have arrived; timing
-    starts once the first ``warmup`` replies are in."""
+    starts once the first ``warmup`` replies are in. ``sample_seed`` >= 0: request i carries
+    the sample seed ``derive_seed(sample_seed, i)``; -1: none (unseeded sampling)."""
     slots: dict[int, int] = {}
+    index = [0]
 
     def send() -> None:
         slot = ring.acquire() if ring is not None else None
+        seed = derive_seed(sample_seed, index[0]) if sample_seed >= 0 else -1
+        index[0] += 1
         rid = ch.send(SampleRequest(
-            seeds=next(stream), fanouts=list(fanouts),
+            seeds=next(stream), fanouts=list(fanouts), sample_seed=seed,
             slot=ring.ref(slot) if slot is not None else None))  # type: ignore[union-attr]
         if slot is not None:
             slots[rid] = slot
@@ -190,10 +201,15 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
                    num_batches: int, inflight: int = 4, server_workers: int = 2,
                    warmup: int = 2, seed: int = 0, startup_timeout_s: float = 120.0,
                    request_timeout_s: float = 120.0, max_message_mb: int = 512,
-                   shm_ring: bool = True, sampler_procs: int = 0) -> dict:
+                   shm_ring: bool = True, sampler_procs: int = 0,
+                   sampling: str = "seeded") -> dict:
     """Start the server(s), stream ``num_batches`` sampled batches, stop them; see module doc.
     ``shm_ring``: offer the server ring slots as a co-located trainer does (features are
-    gathered into this process's shared memory instead of sent through the socket)."""
+    gathered into this process's shared memory instead of sent through the socket).
+    ``sampling``: ``"seeded"`` (a sample seed per request, a trainer's default) or
+    ``"unseeded"``."""
+    if sampling not in SAMPLING:
+        raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
     meta = PartitionSetMeta.load(parts_dir)
     run_dir = Path(tempfile.mkdtemp(prefix="mfgserve-bench-"))
     group = ProcessGroup()
@@ -217,11 +233,13 @@ def measure_server(parts_dir: str | Path, fanouts: list[int], batch_size: int,
         if shm_ring:
             rows = max_input_rows(batch_size, fanouts, meta.num_nodes)
             ring = ShmRing(inflight, rows * meta.feat_dim * 4)
-        got = _stream(ch, ep, stream, fanouts, ring, num_batches + warmup, warmup, inflight)
+        got = _stream(ch, ep, stream, fanouts, ring, num_batches + warmup, warmup, inflight,
+                      sample_seed=seed if sampling == "seeded" else -1)
         stats = expect(ch.call(StatsRequest()), StatsReply, ep).values
         result = {"parts": meta.num_parts, "servers": len(endpoints),
                   "server_workers": server_workers, "sampler_procs": sampler_procs,
-                  "inflight": inflight, **_figures(got, num_batches), "shm_ring": shm_ring,
+                  "inflight": inflight, "sampling": sampling, **_figures(got, num_batches),
+                  "shm_ring": shm_ring,
                   "replies_in_ring": got.in_ring, "startup_s": round(startup_s, 3),
                   "server_stats": _server_stats(stats)}
     finally:
@@ -274,12 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm-ring", action=argparse.BooleanOptionalAction, default=True,
                    help="offer the server shared-memory slots for the features, as a "
                         "co-located trainer does (default: on)")
+    p.add_argument("--sampling", choices=SAMPLING, default="seeded",
+                   help="seeded: each request carries a sample seed, as a trainer's do by "
+                        "default (--deterministic-sampling; the server's seeded sampler); "
+                        "unseeded: none (DGL's C++ sampler, as --no-deterministic-sampling "
+                        "trainers get). Default seeded")
     args = p.parse_args(argv)
     fanouts = [int(x) for x in args.fanouts.split(",")]
     result = measure_server(args.parts, fanouts, args.batch_size, args.num_batches,
                             inflight=args.inflight, server_workers=args.server_workers,
                             seed=args.seed, shm_ring=args.shm_ring,
-                            sampler_procs=args.sampler_procs)
+                            sampler_procs=args.sampler_procs, sampling=args.sampling)
     print(json.dumps(result), flush=True)
     return 0
 
