@@ -15,7 +15,7 @@ Measurements per family, in this order (each can be skipped with ``--skip``):
   ``--dgl-workers`` value (DataLoader ``num_workers``) and each dropout;
 * ``dgl-sample``: the same DataLoader iterated without a model (sample + feature gather);
 * ``server``: one mfgserve sampler server alone, sample + gather, requests kept in flight by
-  this process (see :mod:`benchmarks.server_only`);
+  this process, each with a sample seed as a trainer's (see :mod:`benchmarks.server_only`);
 * ``worker``: ``deploy.worker_mode`` end to end (servers + trainers, a subprocess), each dropout;
 * ``ddp``: two trainers on one node at the headline dropout: DGL with ``--ddp-procs``
   DistributedDataParallel processes over gloo (each half the seeds and half the batch) vs
