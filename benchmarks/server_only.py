@@ -135,12 +135,10 @@ def _stream(ch: RpcChannel, ep: str, stream: Iterator[torch.Tensor], fanouts: li
     starts once the first ``warmup`` replies are in. ``sample_seed`` >= 0: request i carries
     the sample seed ``derive_seed(sample_seed, i)``; -1: none (unseeded sampling)."""
     slots: dict[int, int] = {}
-    index = [0]
 
-    def send() -> None:
+    def send(index: int) -> None:
         slot = ring.acquire() if ring is not None else None
-        seed = derive_seed(sample_seed, index[0]) if sample_seed >= 0 else -1
-        index[0] += 1
+        seed = derive_seed(sample_seed, index) if sample_seed >= 0 else -1
         rid = ch.send(SampleRequest(
             seeds=next(stream), fanouts=list(fanouts), sample_seed=seed,
             slot=ring.ref(slot) if slot is not None else None))  # type: ignore[union-attr]
@@ -151,7 +149,7 @@ def _stream(ch: RpcChannel, ep: str, stream: Iterator[torch.Tensor], fanouts: li
     sent = received = bytes0 = 0
     t0 = time.perf_counter()
     while sent < min(inflight, total):
-        send()
+        send(sent)
         sent += 1
     while received < total:
         msg, rid = ch.recv(waiting_for="a sampled MFG")
@@ -170,7 +168,7 @@ def _stream(ch: RpcChannel, ep: str, stream: Iterator[torch.Tensor], fanouts: li
             got.input_nodes += mfg.input_nodes.numel()
         del mfg, feat
         if sent < total:
-            send()
+            send(sent)
             sent += 1
     got.elapsed_s = time.perf_counter() - t0
     got.nbytes = ch.bytes_received - bytes0
