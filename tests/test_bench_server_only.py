@@ -1,7 +1,9 @@
 """``python -m benchmarks.server_only`` end to end on a small partition set: a real server,
 its exit code, the JSON line. Its requests carry sample seeds by default, as a trainer's do
 (``--deterministic-sampling``), so two runs with the same ``--seed`` sample the same MFGs
-whatever the server's threads do. Timings are never asserted."""
+whatever the server's threads do. The runs keep one request in flight: with more, replies may
+arrive in another order, and which of them are the untimed warm-up (not counted in
+``input_nodes_per_batch``) would differ between runs. Timings are never asserted."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from procs import REPO
 
 def _run(parts, *extra: str) -> dict:
     argv = [sys.executable, "-m", "benchmarks.server_only", "--parts", str(parts),
-            "--num-batches", "4", "--batch-size", "64", "--fanouts", "5,5", *extra]
+            "--num-batches", "4", "--batch-size", "64", "--fanouts", "5,5", "--inflight", "1",
+            *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=110, cwd=REPO,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
