@@ -220,8 +220,11 @@ def train_dgl(parts_dir: str | Path | FullGraph, fanouts: list[int], batch_size:
               epochs: int, hidden: int = 256, num_workers: int = 0,
               max_batches: int | None = None, seed: int = 0, dropout: float = 0.0,
               lr: float = 3e-3, weight_decay: float = 5e-4,
-              num_threads: int | None = None) -> dict:
+              num_threads: int | None = None, device: str = "cpu") -> dict:
     """Train the tutorial GraphSAGE with DGL's DataLoader; returns throughput and accuracy.
+
+    ``device="cuda"``: the GPU form of the recipe (:func:`_train_epoch_device`); DGL samples
+    and gathers on the CPU as before, the model computes on the GPU.
 
     ``dropout`` 0 is the seed tutorial's model (see :class:`DGLGraphSAGE`); Adam with ``lr``
     and ``weight_decay`` (mfgserve's trainer defaults). ``num_threads`` sets torch's and DGL's
@@ -231,11 +234,15 @@ def train_dgl(parts_dir: str | Path | FullGraph, fanouts: list[int], batch_size:
     """
     dgl = import_dgl()
     fg = _as_graph(parts_dir)
+    dev = torch.device(device)
     with torch_and_dgl_threads(num_threads):
         torch.manual_seed(seed)
         dgl.seed(seed)
-        model = DGLGraphSAGE(fg.feat_dim, hidden, fg.num_classes, len(fanouts), dropout)
-        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+        if dev.type == "cpu":
+            model = DGLGraphSAGE(fg.feat_dim, hidden, fg.num_classes, len(fanouts), dropout)
+            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+        else:
+            model, opt = _device_model(fg, hidden, len(fanouts), dropout, lr, weight_decay, dev)
         train_loader = _loader(fg, fg.train, fanouts, batch_size, True, num_workers)
         eval_loaders = {s: _loader(fg, getattr(fg, s), fanouts, batch_size, False, num_workers)
                         for s in ("valid", "test") if getattr(fg, s).numel() > 0}
@@ -245,18 +252,24 @@ def train_dgl(parts_dir: str | Path | FullGraph, fanouts: list[int], batch_size:
         best = {"valid_acc": -1.0, "test_acc": 0.0, "epoch": -1}
         loss_mean = None
         for epoch in range(epochs):
-            ep = _train_epoch(model, opt, train_loader, max_batches)
+            if dev.type == "cpu":
+                ep = _train_epoch(model, opt, train_loader, max_batches)
+            else:
+                ep = _train_epoch_device(model, opt, train_loader, max_batches, dev)
             train_s += ep["train_s"]
             seeds += ep["seeds"]
             batches += ep["batches"]
             loss_mean = ep["loss"]
-            accs = {s: _evaluate(model, ld, max_batches) for s, ld in eval_loaders.items()}
+            accs = {s: (_evaluate(model, ld, max_batches) if dev.type == "cpu"
+                        else _evaluate_device(model, ld, max_batches, dev))
+                    for s, ld in eval_loaders.items()}
             if accs.get("valid", 0.0) > best["valid_acc"]:
                 best = {"valid_acc": accs.get("valid", 0.0), "test_acc": accs.get("test", 0.0),
                         "epoch": epoch}
     return {
         "num_workers": num_workers,
         "dropout": dropout,
+        "device": str(dev),
         "num_threads": threads,
         "epochs": epochs,
         "batches": batches,
@@ -270,6 +283,112 @@ def train_dgl(parts_dir: str | Path | FullGraph, fanouts: list[int], batch_size:
         "final_loss": round(loss_mean, 4) if loss_mean is not None else None,
         "max_batches": max_batches,
     }
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+def _device_model(fg: FullGraph, hidden: int, num_layers: int, dropout: float, lr: float,
+                  weight_decay: float, device: torch.device):
+    """The model and optimizer of the GPU recipe.
+
+    DGL's PyPI wheels are CPU builds (no CUDA kernels: ``dgl.nn.SAGEConv`` cannot take a CUDA
+    block), so on a GPU the DGL side computes with mfgserve's plain-torch
+    :class:`trainer_client.model.GraphSAGE`: the same layers, initial weights (the same RNG
+    state, as :class:`DGLGraphSAGE` copies them) and dropout, and the trainer's optimizer
+    (``build_optimizer``: fused Adam). Both sides then run identical model code on the GPU,
+    and a ratio measures the pipelines feeding it."""
+    from trainer_client.model import GraphSAGE
+    from trainer_client.models import build_optimizer
+
+    model = GraphSAGE(fg.feat_dim, hidden, fg.num_classes, num_layers, dropout).to(device)
+    return model, build_optimizer(model.parameters(), lr, weight_decay)
+
+
+def _blocks_to_device(blocks, device: torch.device, stream) -> tuple:
+    """One DGL batch on ``device``: its blocks as :class:`common.mfg.Block` s (DGL's CSC of
+    each block, which its own GPU kernels would build too), the input features and the
+    labels, copied from pinned memory on ``stream`` (None: the current stream); returns
+    ``(blocks, x, y, event)`` with ``event`` marking the end of the copies."""
+    from common.mfg import Block
+
+    mine = []
+    for blk in blocks:
+        indptr, indices, _ = blk.adj_tensors("csc")
+        mine.append(Block(indptr, indices, blk.num_src_nodes(), blk.num_dst_nodes()))
+    x, y = blocks[0].srcdata["feat"], blocks[-1].dstdata["label"]
+    with torch.cuda.stream(stream):
+        out = ([b.pin_memory().to(device, non_blocking=True) for b in mine],
+               x.pin_memory().to(device, non_blocking=True),
+               y.pin_memory().to(device, non_blocking=True))
+    event = torch.cuda.Event()
+    event.record(stream)
+    return (*out, event)
+
+
+def _use_on_current(batch: tuple, device: torch.device) -> tuple:
+    """Make the current stream wait for ``batch``'s copies and tell the caching allocator
+    that its tensors (made on the copy stream) are used on the current one."""
+    blocks, x, y, event = batch
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+    for t in [x, y] + [t for b in blocks for t in (b.indptr, b.indices)]:
+        t.record_stream(current)
+    return blocks, x, y
+
+
+def _train_epoch_device(model: nn.Module, opt, loader, max_batches: int | None,
+                        device: torch.device) -> dict:
+    """:func:`_train_epoch` with the model on a GPU, pipelined as DGL's GPU DataLoader does
+    (``use_alternate_streams``): batch i's compute is queued on the GPU, then batch i+1 is
+    sampled on the CPU and copied on a side stream while the GPU computes, then the loss of
+    batch i is read (one synchronisation per step, as the CPU loop and mfgserve's trainer)."""
+    model.train()
+    stream = torch.cuda.Stream(device)
+    it = iter(loader)
+
+    def fetch(i: int):
+        if max_batches is not None and i >= max_batches:
+            return None
+        try:
+            _, output_nodes, blocks = next(it)
+        except StopIteration:
+            return None
+        return _blocks_to_device(blocks, device, stream), output_nodes.numel()
+
+    loss_sum, n, seeds = 0.0, 0, 0
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    cur = fetch(0)
+    while cur is not None:
+        batch, num_seeds = cur
+        blocks, x, y = _use_on_current(batch, device)
+        logits = model(blocks, x)
+        loss = F.cross_entropy(logits, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        n += 1
+        cur = fetch(n)  # sampled on the CPU while the GPU computes batch n-1
+        loss_sum += float(loss.detach())
+        seeds += num_seeds
+    torch.cuda.synchronize(device)
+    return {"seeds": seeds, "batches": n, "train_s": time.perf_counter() - t0,
+            "loss": loss_sum / max(n, 1)}
+
+
+@torch.no_grad()
+def _evaluate_device(model: nn.Module, loader, max_batches: int | None,
+                     device: torch.device) -> float:
+    model.eval()
+    correct = total = 0
+    for i, (_, _, blocks) in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        mine, x, y = _use_on_current(_blocks_to_device(blocks, device, None), device)
+        correct += int((model(mine, x).argmax(1) == y).sum())
+        total += y.numel()
+    return correct / max(total, 1)
 
 
 # ------------------------------------------------------------------------------ DDP

@@ -202,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "DGL process / each DDP process, each worker-mode trainer, and the "
                         "step/datapath/limits modules (default: each side's default: torch's "
                         "for DGL, cores / trainers for worker-mode and DDP)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where both sides' models compute: cpu (default), or cuda: worker-mode "
+                        "trainers get --device cuda and DGL's side runs its GPU recipe (DGL "
+                        "samples on the CPU; its PyPI wheels have no CUDA kernels, so the same "
+                        "plain-torch GraphSAGE computes on the GPU, see "
+                        "benchmarks/dgl_pipeline.py); the ddp step then needs a GPU per process")
+    p.add_argument("--worker-servers", type=_positive_int, default=1,
+                   help="worker-mode's --servers-per-part: sampler servers of the one part "
+                        "(default 1)")
     p.add_argument("--server-workers", type=int, default=2,
                    help="sampling threads per mfgserve server (default 2)")
     p.add_argument("--sampler-procs", type=int_list, default=[0, 2],
@@ -291,6 +300,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
             "--hidden", str(args.hidden), "--seed", str(args.seed), "--model", "sage",
             "--dropout", str(dropout), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY),
             "--max-inflight", str(args.inflight), "--prefetch", args.prefetch,
+            "--device", args.device, "--servers-per-part", str(args.worker_servers),
             "--server-num-workers",
             str(args.server_workers), "--server-sampler-procs",
             str(args.worker_sampler_procs), "--no-progress",
@@ -332,7 +342,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
             "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
             "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
-            "prefetch", "omp_wait_policy")
+            "prefetch", "omp_wait_policy", "device", "h2d_hidden_share")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \
         summary.get("num_trainers", 1)
@@ -406,7 +416,8 @@ def _dgl_warmup(fg, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     dgl_pipeline.train_dgl(fg, args.fanouts, args.batch_size, 1, hidden=args.hidden,
                            max_batches=DGL_WARMUP_BATCHES, seed=args.seed,
-                           dropout=args.dropout[0], num_threads=args.num_threads)
+                           dropout=args.dropout[0], num_threads=args.num_threads,
+                           device=args.device)
     log(f"DGL warm-up ({DGL_WARMUP_BATCHES} batches, untimed) took "
         f"{time.perf_counter() - t0:.1f}s")
 
@@ -422,7 +433,7 @@ def _dgl_train(steps: Steps, family: str, fg, args: argparse.Namespace, p: float
                       fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
                       num_workers=w, max_batches=args.max_batches, seed=args.seed,
                       dropout=p, lr=LR, weight_decay=WEIGHT_DECAY,
-                      num_threads=args.num_threads))
+                      num_threads=args.num_threads, device=args.device))
 
 
 def measure_dgl(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
@@ -757,7 +768,8 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "epochs": args.epochs, "rounds": args.rounds, "max_batches": args.max_batches,
             "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
             "num_trainers": args.num_trainers, "ddp_procs": args.ddp_procs,
-            "num_threads": args.num_threads, "server_workers": args.server_workers,
+            "num_threads": args.num_threads, "device": args.device,
+            "worker_servers": args.worker_servers, "server_workers": args.server_workers,
             "inflight": args.inflight, "prefetch": args.prefetch, "seed": args.seed,
             "skip": args.skip,
             "cache_ratio": args.cache_ratio, "feat_transfer": args.feat_transfer,
@@ -781,6 +793,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.parts and args.family is not None:
         parser.error("--family picks generated graphs; --parts DIR benchmarks the given set "
                      "(family 'given'): use one of them")
+    if args.device == "cuda" and "ddp" not in args.skip:
+        parser.error("--device cuda: the ddp step runs DGL's DDP over gloo on the CPU and would "
+                     "put every worker-mode trainer on one GPU; add --skip ddp")
     if "ddp" not in args.skip and args.batch_size % args.ddp_procs:
         parser.error(f"--batch-size {args.batch_size} does not split over --ddp-procs "
                      f"{args.ddp_procs} (the ddp step keeps the total batch): choose a "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from procs import REPO, run_cli
 
 from common.config import TrainerConfig
@@ -93,6 +94,33 @@ def test_citeseer_partitioned_on_the_fly(citeseer_dir, tmp_path):
     _assert_clean(tmp_path, str(work))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cache_ratio", [0.0, 0.2])
+def test_cuda_trainer_on_the_default_path(cache_ratio, tmp_path):
+    """The GPU trainer on the path a user runs (servers on this host, the ring on): the ring
+    is page-locked, batches are copied on the copy stream and the copy time and its hidden
+    share are reported; with a cache the hot rows come from GPU memory."""
+    work = tmp_path / "work"
+    args = ["--work-dir", str(work), "--synthetic-nodes", "3000", "--epochs", "3",
+            "--batch-size", "256", "--device", "cuda", "--no-progress"]
+    if cache_ratio:
+        args += ["--cache-ratio", str(cache_ratio)]
+    proc = _worker(args, tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = _summary(proc.stdout)
+    assert summary["device"].startswith("cuda"), summary
+    assert summary["test_acc"] > 0.3, summary
+    ring = summary["shm_ring"]
+    assert ring["used"] and ring["pinned"] and ring["requests_without_slot"] == 0, ring
+    assert summary["prefetch"]["alternated"] is False  # compute is on the GPU
+    assert summary["stages_s"]["h2d_copy_s"] > 0, summary["stages_s"]
+    assert 0.0 <= summary["h2d_hidden_share"] <= 1.0, summary
+    if cache_ratio:
+        assert summary["cache"]["rows_from_cache"] > 0, summary["cache"]
+    _assert_clean(tmp_path, str(work))
+
+
 @pytest.mark.timeout(300)
 def test_default_synthetic_dataset(tmp_path):
     work = tmp_path / "work"
@@ -102,6 +130,8 @@ def test_default_synthetic_dataset(tmp_path):
     summary = _summary(proc.stdout)
     assert summary["dataset"].startswith("synthetic") and summary["epochs"] == 3
     assert summary["test_acc"] > 0.3, summary  # 8 classes: well above chance (0.125)
+    if summary["device"] == "cpu":  # nothing to copy: no copy time, no hidden share
+        assert summary["stages_s"]["h2d_copy_s"] == 0 and summary["h2d_hidden_share"] is None
     assert summary["malloc_retain_mb"] == 256, summary  # the default took effect (glibc)
     # one trainer with cores threads: libgomp's default wait policy (deploy/worker_mode.py's
     # child_env), unless the user set one
@@ -110,7 +140,8 @@ def test_default_synthetic_dataset(tmp_path):
     # so with the servers on its host it alternates sampling and compute (if it has 2+).
     threads, cores = max(1, os.cpu_count() or 1), len(os.sched_getaffinity(0))
     pf = summary["prefetch"]
-    assert pf["mode"] == "auto" and pf["alternated"] == (1 < threads >= cores), pf
+    on_cpu = summary["device"] == "cpu"  # auto: a GPU where there is one, never alternating
+    assert pf["mode"] == "auto" and pf["alternated"] == (on_cpu and 1 < threads >= cores), pf
     assert (pf["bursts"] > 0) == pf["alternated"], pf
     # the default path: the servers share the host, so every reply lands in the ring; the
     # training loop drops each batch before the next requests go out (max_inflight + 1 slots;

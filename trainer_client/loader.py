@@ -85,6 +85,7 @@ class LoaderStats:
     decode_s: float = 0.0  # reply -> MFG (incl. cache assembly)
     h2d_s: float = 0.0  # issuing host-to-device copies
     h2d_wait_s: float = 0.0  # waiting for a copy to finish (the part not hidden)
+    h2d_copy_s: float = 0.0  # the copies' own time on the copy stream (CUDA events; 0 on CPU)
     ring_hits: int = 0  # replies whose features arrived in the shared-memory ring
     ring_misses: int = 0  # requests sent without a slot (none free)
     bursts: int = 0  # windows sent at once and awaited whole (prefetch alternate)
@@ -102,7 +103,15 @@ class LoaderStats:
                 "server_queue_s": s.queue_s, "server_total_s": s.server_s,
                 "wire_s": self.wire_s, "decode_s": self.decode_s,
                 "trainer_wait_s": self.wait_s, "h2d_s": self.h2d_s,
-                "h2d_wait_s": self.h2d_wait_s, "forward_backward_s": compute_s}
+                "h2d_wait_s": self.h2d_wait_s, "h2d_copy_s": self.h2d_copy_s,
+                "forward_backward_s": compute_s}
+
+    def h2d_hidden_share(self) -> float | None:
+        """The share of the host-to-device copy time hidden behind compute: 1 - the host's
+        wait for copies / the copies' own time on the copy stream (None without copies)."""
+        if self.h2d_copy_s <= 0:
+            return None
+        return max(0.0, 1.0 - self.h2d_wait_s / self.h2d_copy_s)
 
 
 def _by_part(seeds: Tensor, offsets: Tensor, g: torch.Generator) -> Tensor:
@@ -342,11 +351,14 @@ class DistNodeDataLoader:
         t1 = time.perf_counter()
         self.stats.decode_s += t1 - t0
         if self.copy_stream is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
                 mfg = mfg.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(self.copy_stream)
             mfg.ready = event  # type: ignore[union-attr]
+            mfg.copy_start = start  # type: ignore[union-attr]
         else:
             mfg = mfg.to(self.device)  # the same step; on CPU nothing to copy
         self.stats.h2d_s += time.perf_counter() - t1
@@ -359,6 +371,8 @@ class DistNodeDataLoader:
             t0 = time.perf_counter()
             event.synchronize()
             self.stats.h2d_wait_s += time.perf_counter() - t0
+            # the copy's own time on the copy stream, from the event before it to this one
+            self.stats.h2d_copy_s += mfg.copy_start.elapsed_time(event) / 1e3  # type: ignore
             # Made on the copy stream, used on the current one: tell the caching allocator,
             # so that their memory is not handed to the next copy while compute reads it.
             current = torch.cuda.current_stream(self.device)

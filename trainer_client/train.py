@@ -801,6 +801,9 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "cache": _cache_summary(run),
         "device": str(device),
         "stages_s": stages,
+        # the share of the host-to-device copy time hidden behind compute (CUDA; None on CPU)
+        "h2d_hidden_share": (round(max(0.0, 1 - stages["h2d_wait_s"] / stages["h2d_copy_s"]), 4)
+                             if stages.get("h2d_copy_s", 0) > 0 else None),
         "malloc_retain_mb": _RETAINED_MB,  # 0: the allocator's defaults (see common/alloc.py)
         # OpenMP's wait policy for this rank's torch threads (worker mode chooses it per
         # role, deploy/worker_mode.py's child_env); "default": not set, libgomp's own

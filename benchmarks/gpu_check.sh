@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU check of issue 14, run on a machine with one NVIDIA GPU (docs/benchmarks.md,
+# "GPU"): the CUDA tests, then benchmarks.run --device cuda on both graph families (the seed
+# model end to end against DGL's GPU recipe, with the share of the host-to-device copy hidden
+# behind compute), the trainer's feature cache on the GPU, one more worker-mode layout, and
+# the dropout row. Each step has its own time limit and the script goes on after a failed
+# one; each step's JSON summary goes to OUT/<step>.json, the log to OUT/log.txt.
+#
+#   OUT=dir bash benchmarks/gpu_check.sh [wheel dir]
+#
+# Where the project is not installed (a bare machine with torch and CUDA), the wheels in the
+# given directory (pyzmq, dgl, ogb and theirs) are installed into /tmp/site first.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-runs/gpu-check}"
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+WHL="${1:-}"
+export PYTHONUNBUFFERED=1 OUTDATED_IGNORE=1
+PY="${PYTHON:-python3}"
+t0=$(date +%s)
+say() { echo "[gpu-check +$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG" >&2; }
+
+if [ -n "$WHL" ]; then
+  say "installing $(ls "$WHL" | tr '\n' ' ')"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHL"/*.whl >>"$LOG" 2>&1 || { say "wheel install failed"; exit 1; }
+  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+nproc >>"$LOG"
+"$PY" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__, \
+'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))" >>"$LOG" 2>&1
+"$PY" -m common.native >>"$LOG" 2>&1 || say "native kernels not built (numpy paths run)"
+"$PY" -c "from common.dgl_compat import import_dgl; print('dgl', import_dgl().__version__)" \
+  >>"$LOG" 2>&1 || say "dgl does not import"
+
+step() {  # step NAME LIMIT_S COMMAND...: stdout (the JSON summary) to OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  say "step $name: $*"
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.json" 2>>"$LOG"
+  say "step $name exit $?"
+}
+
+# 1. what CI cannot run: the tests that need a CUDA device
+step tests 200 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_models.py tests/test_hetero_model.py tests/test_prefetch.py tests/test_worker_mode.py \
+  -k "cuda or pin_memory or threads_cover or default_synthetic"
+
+COMMON=(--family products,rmat --train-frac 0.1 --epochs 2 --device cuda
+        --skip dgl-sample,server,ddp,step,datapath,limits,wire,hetero
+        --worker-servers 4 --server-workers 3 --inflight 8)
+# 2. the headline on the GPU: seed model, DGL's GPU recipe (num_workers 0, 1, 4) vs worker mode
+step main 300 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 --dgl-workers 0,1,4
+# 3. the trainer's feature cache in GPU memory (20% hottest nodes), worker mode only
+step cache 150 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 --skip \
+  dgl-train,dgl-sample,server,ddp,step,datapath,limits,wire,hetero --cache-ratio 0.2
+# 4. the CPU benchmark's layout (1 server, 2 sampling threads) on the GPU, worker mode only
+step onesrv 150 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 --skip \
+  dgl-train,dgl-sample,server,ddp,step,datapath,limits,wire,hetero \
+  --worker-servers 1 --server-workers 2 --inflight 4
+# 5. the dropout row
+step dropout 240 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0.5 --dgl-workers 0,1,4
+say "done"
