@@ -395,3 +395,55 @@ class HeteroMFG(Sequence[HeteroBlock]):
         return (f"HeteroMFG({self.blocks}, input_nodes="
                 f"{ {t: v.numel() for t, v in self.input_nodes.items()} }, "
                 f"seed_ntype={self.seed_ntype!r})")
+
+
+# --- copying an MFG to a device ---------------------------------------------------------------
+
+
+def _map_tensors(mfg: MFG | HeteroMFG, fn) -> MFG | HeteroMFG:
+    """``mfg`` with ``fn`` applied to every tensor it holds, its node id lists included."""
+    if isinstance(mfg, MFG):  # its _apply maps blocks, not tensors
+        return MFG([b._apply(fn) for b in mfg.blocks], fn(mfg.input_nodes),
+                   fn(mfg.output_nodes))
+    return mfg._apply(fn)
+
+
+def _source_key(t: Tensor) -> tuple:
+    """Tensors with the same key are copied once: 1-D contiguous views starting at the same
+    address (the blocks' node id slices ``ids[:n]`` of the MFG's ids), else the object."""
+    if t.dim() == 1 and t.is_contiguous() and t.numel():
+        return (t.data_ptr(), t.dtype, t.device)
+    return ("object", id(t))
+
+
+def to_device(mfg: MFG | HeteroMFG, device: torch.device | str) -> MFG | HeteroMFG:
+    """``mfg`` on ``device`` with non-blocking copies on the current stream, ordered for a
+    host that should not wait: every pageable source first, the page-locked ones (the
+    features in a trainer's registered ring slot) last.
+
+    CUDA copies from pageable memory synchronously: the host waits until the stream reaches
+    the copy and finishes it. Queued behind a batch's page-locked feature copy (tens to
+    hundreds of MB), a pageable one (a block's CSC, the labels) would make the host wait for
+    that copy too, and nothing of it would overlap compute. Views that start at the same
+    address are copied once, the longest of them, and sliced on the device: the blocks' node
+    id slices of the MFG's ids cost one copy, not one per block and side."""
+    seen: list[Tensor] = []
+
+    def collect(t: Tensor) -> Tensor:
+        seen.append(t)
+        return t
+
+    _map_tensors(mfg, collect)
+    sources: dict[tuple, Tensor] = {}
+    for t in seen:
+        k = _source_key(t)
+        if k not in sources or t.numel() > sources[k].numel():
+            sources[k] = t
+    moved = {k: t.to(device, non_blocking=True)
+             for k, t in sorted(sources.items(), key=lambda kv: kv[1].is_pinned())}
+
+    def place(t: Tensor) -> Tensor:
+        d = moved[_source_key(t)]
+        return d if d.numel() == t.numel() else d[: t.numel()]
+
+    return _map_tensors(mfg, place)

@@ -21,7 +21,7 @@ from torch import nn
 
 from common.dgl_compat import import_dgl
 from common.errors import ConfigError
-from common.mfg import NID, HeteroMFG
+from common.mfg import NID, HeteroMFG, to_device
 from common.sampled_mfg import Features, Layer, NodeSet, Relation, SampledMFG
 from trainer_client.hetero_model import (
     HeteroSAGE,
@@ -407,7 +407,7 @@ def test_to_and_pin_memory_keep_everything(batch):
     want = model(mfg, mfg.feat)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
-        views = [mfg.to(dev)]
+        views = [mfg.to(dev), to_device(mfg, dev)]  # the loader's copy: pageable first
         if dev == "cuda":
             views.append(mfg.pin_memory().to(dev, non_blocking=True))
             assert all(b.indptr.is_pinned() for hb in mfg.pin_memory() for b in hb.rels.values())

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from common.dgl_compat import import_dgl
-from common.mfg import MFG, NID, Block
+from common.mfg import MFG, NID, Block, to_device
 from common.sampled_mfg import Features, Layer, SampledMFG
+from trainer_client.loader import hidden_share
 from trainer_client.model import GraphSAGE, SAGEConv
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,6 +139,52 @@ def test_mfg_of_sampled_prefix_ids_and_to_dgl():
     assert sorted(zip(src.tolist(), dst.tolist())) == ours
     moved = mfg.to("cpu", non_blocking=True)
     assert moved[0].num_edges() == mfg[0].num_edges()
+
+
+def _copies(monkeypatch, pinned: set[int]) -> list[torch.Tensor]:
+    """Record every ``Tensor.to`` call (the source; a clone stands for the copy) and make
+    ``is_pinned`` answer True for the tensors whose id is in ``pinned``."""
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: calls.append(t) or t.clone())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
+    return calls
+
+
+def _tensors(mfg) -> list[torch.Tensor]:
+    out = [mfg.input_nodes, mfg.output_nodes]
+    for b in mfg:
+        out += [b.indptr, b.indices, *b.srcdata.values(), *b.dstdata.values()]
+    return out
+
+
+def test_to_device_copies_pageable_first_and_each_id_prefix_once(monkeypatch):
+    input_nodes = torch.tensor([7, 3, 9, 1, 4])
+    b0 = random_block(5, 3, 2, seed=1)
+    b1 = random_block(3, 2, 2, seed=2)
+    feat, label = torch.randn(5, 4), torch.tensor([1, 0])
+    mfg = MFG.of(SampledMFG.homogeneous(
+        input_nodes, [Layer.homogeneous(5, 3, b0.indptr, b0.indices),
+                      Layer.homogeneous(3, 2, b1.indptr, b1.indices)],
+        Features.frames(feat), label))
+    calls = _copies(monkeypatch, pinned={id(feat)})
+    moved = to_device(mfg, "cpu")
+    # the features (page-locked) last; the ids and their per-block slices ids[:n] and the
+    # output nodes (a prefix too) one copy; every other tensor once
+    assert calls[-1] is feat
+    assert sum(t.data_ptr() == input_nodes.data_ptr() for t in calls) == 1
+    assert len(calls) == 1 + 4 + 1 + 1  # ids, two CSCs, label, feat
+    for got, want in zip(_tensors(moved), _tensors(mfg), strict=True):
+        assert torch.equal(got, want) and got is not want
+    assert moved[1].srcdata[NID].data_ptr() == moved.input_nodes.data_ptr()  # a device slice
+    assert moved[0].num_src_nodes() == 5 and moved[1].num_dst_nodes() == 2
+
+
+def test_hidden_share_counts_issue_and_wait_against_copy_time():
+    assert hidden_share(0.0, 0.0, 0.0) is None  # no copies (CPU)
+    assert hidden_share(0.0, 0.0, 2.0) == 1.0
+    assert hidden_share(0.1, 0.1, 1.0) == pytest.approx(0.8)
+    # a pageable copy queued behind the features holds the host for all of it: none hidden
+    assert hidden_share(0.918, 0.002, 0.908) == 0.0
 
 
 def test_graphsage_shapes():

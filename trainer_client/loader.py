@@ -51,7 +51,7 @@ from torch import Tensor
 
 from common.config import PREFETCH_MODES
 from common.messages import MFGReply, RelFanouts, SampleRequest, derive_seed
-from common.mfg import MFG, HeteroMFG
+from common.mfg import MFG, HeteroMFG, to_device
 from common.rpc import expect
 from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
@@ -83,8 +83,8 @@ class LoaderStats:
     wait_s: float = 0.0  # blocked waiting for a reply (not hidden by prefetch)
     wire_s: float = 0.0  # per request: round trip minus the server's time (overlaps compute)
     decode_s: float = 0.0  # reply -> MFG (incl. cache assembly)
-    h2d_s: float = 0.0  # issuing host-to-device copies
-    h2d_wait_s: float = 0.0  # waiting for a copy to finish (the part not hidden)
+    h2d_s: float = 0.0  # issuing host-to-device copies (one from pageable memory holds the host)
+    h2d_wait_s: float = 0.0  # waiting for a batch's copies to finish before its compute
     h2d_copy_s: float = 0.0  # the copies' own time on the copy stream (CUDA events; 0 on CPU)
     ring_hits: int = 0  # replies whose features arrived in the shared-memory ring
     ring_misses: int = 0  # requests sent without a slot (none free)
@@ -107,11 +107,18 @@ class LoaderStats:
                 "forward_backward_s": compute_s}
 
     def h2d_hidden_share(self) -> float | None:
-        """The share of the host-to-device copy time hidden behind compute: 1 - the host's
-        wait for copies / the copies' own time on the copy stream (None without copies)."""
-        if self.h2d_copy_s <= 0:
-            return None
-        return max(0.0, 1.0 - self.h2d_wait_s / self.h2d_copy_s)
+        """The share of the copies' time hidden behind compute (None without copies)."""
+        return hidden_share(self.h2d_s, self.h2d_wait_s, self.h2d_copy_s)
+
+
+def hidden_share(issue_s: float, wait_s: float, copy_s: float) -> float | None:
+    """The share of the host-to-device copies' own time (``copy_s``, on the copy stream) that
+    the trainer's host did not spend on them: 1 - (issuing + waiting) / copy time, in [0, 1];
+    None without copies. Issuing counts: a copy from pageable memory holds the host until it
+    is done (and until whatever the copy stream had queued before it is done)."""
+    if copy_s <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - (issue_s + wait_s) / copy_s))
 
 
 def _by_part(seeds: Tensor, offsets: Tensor, g: torch.Generator) -> Tensor:
@@ -354,7 +361,7 @@ class DistNodeDataLoader:
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
-                mfg = mfg.to(self.device, non_blocking=True)
+                mfg = to_device(mfg, self.device)  # pageable sources first: see to_device
             event = torch.cuda.Event(enable_timing=True)
             event.record(self.copy_stream)
             mfg.ready = event  # type: ignore[union-attr]

@@ -61,7 +61,7 @@ from trainer_client.checkpoint import (
 from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, make_scheduler
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.inference import full_graph_eval
-from trainer_client.loader import DistNodeDataLoader
+from trainer_client.loader import DistNodeDataLoader, hidden_share
 from trainer_client.metrics import (
     Task,
     check_shared_score,
@@ -760,6 +760,10 @@ def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
     return fit
 
 
+def _round_or_none(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | None) -> dict:
     """The run's summary (collectives: every rank calls it)."""
     cfg, ddp, device, pool, st = run.cfg, run.ddp, run.device, run.pool, run.train_loader.stats
@@ -802,8 +806,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "device": str(device),
         "stages_s": stages,
         # the share of the host-to-device copy time hidden behind compute (CUDA; None on CPU)
-        "h2d_hidden_share": (round(max(0.0, 1 - stages["h2d_wait_s"] / stages["h2d_copy_s"]), 4)
-                             if stages.get("h2d_copy_s", 0) > 0 else None),
+        "h2d_hidden_share": _round_or_none(hidden_share(
+            stages["h2d_s"], stages["h2d_wait_s"], stages["h2d_copy_s"])),
         "malloc_retain_mb": _RETAINED_MB,  # 0: the allocator's defaults (see common/alloc.py)
         # OpenMP's wait policy for this rank's torch threads (worker mode chooses it per
         # role, deploy/worker_mode.py's child_env); "default": not set, libgomp's own
