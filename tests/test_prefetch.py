@@ -170,3 +170,18 @@ def test_batches_keeps_no_batch_behind(bar, capsys):
         seen += 1
         del b
     assert seen == 4 and all(r() is None for r in made)
+
+
+@pytest.mark.parametrize("offsets,batch,want", [
+    ([0, 100], [5, 99, 0], 0),  # one part
+    ([0, 10, 20, 30], [25, 12, 27, 3, 29], 2),  # most seeds in part 2
+    ([0, 10, 20, 30], [15, 5, 16, 6], 0),  # a tie: the lowest part, as torch's argmax
+    ([0, 10, 20, 30], [10, 19, 9], 1),  # part bounds: 10 and 19 are part 1's
+])
+def test_a_request_goes_to_the_part_owning_most_of_its_seeds(offsets, batch, want):
+    loader = DistNodeDataLoader.__new__(DistNodeDataLoader)  # _owner needs the offsets only
+    loader.offsets = torch.tensor(offsets)
+    loader._offsets_np = loader.offsets.numpy()
+    got = loader._owner(torch.tensor(batch))
+    owners = torch.searchsorted(loader.offsets, torch.tensor(batch), right=True) - 1
+    assert got == want == int(torch.bincount(owners).argmax())
