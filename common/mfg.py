@@ -400,6 +400,22 @@ class HeteroMFG(Sequence[HeteroBlock]):
 # --- copying an MFG to a device ---------------------------------------------------------------
 
 
+def mfg_tensors(mfg: MFG | HeteroMFG) -> list[Tensor]:
+    """Every tensor an MFG holds (ids, per-block CSC, src/dst data)."""
+    if isinstance(mfg, HeteroMFG):
+        out = [*mfg.input_nodes.values(), mfg.output_nodes]
+        for hb in mfg.blocks:
+            for b in hb.rels.values():
+                out += [b.indptr, b.indices]
+            for side in (hb.srcdata, hb.dstdata):
+                out += [v for d in side.values() for v in d.values()]
+        return out
+    out = [mfg.input_nodes, mfg.output_nodes]
+    for b in mfg.blocks:
+        out += [b.indptr, b.indices, *b.srcdata.values(), *b.dstdata.values()]
+    return out
+
+
 def _map_tensors(mfg: MFG | HeteroMFG, fn) -> MFG | HeteroMFG:
     """``mfg`` with ``fn`` applied to every tensor it holds, its node id lists included."""
     if isinstance(mfg, MFG):  # its _apply maps blocks, not tensors
@@ -427,15 +443,8 @@ def to_device(mfg: MFG | HeteroMFG, device: torch.device | str) -> MFG | HeteroM
     that copy too, and nothing of it would overlap compute. Views that start at the same
     address are copied once, the longest of them, and sliced on the device: the blocks' node
     id slices of the MFG's ids cost one copy, not one per block and side."""
-    seen: list[Tensor] = []
-
-    def collect(t: Tensor) -> Tensor:
-        seen.append(t)
-        return t
-
-    _map_tensors(mfg, collect)
     sources: dict[tuple, Tensor] = {}
-    for t in seen:
+    for t in mfg_tensors(mfg):
         k = _source_key(t)
         if k not in sources or t.numel() > sources[k].numel():
             sources[k] = t

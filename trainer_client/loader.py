@@ -52,7 +52,7 @@ from torch import Tensor
 
 from common.config import PREFETCH_MODES
 from common.messages import MFGReply, RelFanouts, SampleRequest, derive_seed
-from common.mfg import MFG, HeteroMFG, to_device
+from common.mfg import MFG, HeteroMFG, mfg_tensors, to_device
 from common.rpc import expect
 from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
@@ -107,10 +107,6 @@ class LoaderStats:
                 "h2d_wait_s": self.h2d_wait_s, "h2d_copy_s": self.h2d_copy_s,
                 "forward_backward_s": compute_s}
 
-    def h2d_hidden_share(self) -> float | None:
-        """The share of the copies' time hidden behind compute (None without copies)."""
-        return hidden_share(self.h2d_s, self.h2d_wait_s, self.h2d_copy_s)
-
 
 def hidden_share(issue_s: float, wait_s: float, copy_s: float) -> float | None:
     """The share of the host-to-device copies' own time (``copy_s``, on the copy stream) that
@@ -156,22 +152,6 @@ def shard_batches(seeds: Tensor, batch_size: int, rank: int, world_size: int, *,
     if shuffle and part_offsets is not None:
         batches = [batches[i] for i in torch.randperm(num_batches, generator=g).tolist()]
     return batches
-
-
-def mfg_tensors(mfg: MFG | HeteroMFG) -> list[Tensor]:
-    """Every tensor an MFG holds (ids, per-block CSC, src/dst data)."""
-    if isinstance(mfg, HeteroMFG):
-        out = [*mfg.input_nodes.values(), mfg.output_nodes]
-        for hb in mfg.blocks:
-            for b in hb.rels.values():
-                out += [b.indptr, b.indices]
-            for side in (hb.srcdata, hb.dstdata):
-                out += [v for d in side.values() for v in d.values()]
-        return out
-    out = [mfg.input_nodes, mfg.output_nodes]
-    for b in mfg.blocks:
-        out += [b.indptr, b.indices, *b.srcdata.values(), *b.dstdata.values()]
-    return out
 
 
 class DistNodeDataLoader:
