@@ -2,8 +2,9 @@
 # The GPU check of issue 14, run on a machine with one NVIDIA GPU (docs/benchmarks.md,
 # "GPU"): the CUDA tests, then benchmarks.run --device cuda on both graph families (the seed
 # model end to end against DGL's GPU recipe, with the share of the host-to-device copy hidden
-# behind compute), the trainer with 2 torch threads, the trainer's feature cache on the GPU,
-# and the dropout row (about 10 minutes on an H200 machine, most important first). Each step
+# behind compute), the trainer's feature cache on the GPU, the trainer with 2 torch threads,
+# and the dropout row (about 10 minutes on an H200 machine, most important first: a
+# device check that runs out of time still brings back its first steps). Each step
 # has its own time limit and the script goes on after a failed one; each step's JSON summary
 # goes to OUT/<step>.json, the log to OUT/log.txt.
 #
@@ -48,7 +49,7 @@ step() {  # step NAME LIMIT_S COMMAND...: stdout (the JSON summary) to OUT/NAME.
 # 1. what CI cannot run: the tests that need a CUDA device
 step tests 200 "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_models.py tests/test_hetero_model.py tests/test_prefetch.py tests/test_worker_mode.py \
-  -k "cuda or pin_memory or threads_cover or default_synthetic"
+  tests/test_feature_cache.py -k "cuda or pin_memory or threads_cover or default_synthetic"
 
 COMMON=(--family products,rmat --train-frac 0.1 --epochs 2 --device cuda
         --skip dgl-sample,server,ddp,step,datapath,limits,wire,hetero
@@ -58,13 +59,13 @@ WORKER_ONLY=(--skip dgl-train,dgl-sample,server,ddp,step,datapath,limits,wire,he
 #    adds DataLoader workers: 3-4x slower than 0 on an H200 machine in session 34)
 step main 240 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 \
   --dgl-workers "${DGL_WORKERS:-0}"
-# 3. the trainer with 2 torch threads instead of every core (its step is on the GPU; its
+# 3. the trainer's feature cache in GPU memory (20% hottest nodes), worker mode only
+step cache 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
+  --cache-ratio 0.2
+# 4. the trainer with 2 torch threads instead of every core (its step is on the GPU; its
 #    threads' spinning may take the servers' cores), without and with the cache
 step threads2 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
   --num-threads 2
-# 4. the trainer's feature cache in GPU memory (20% hottest nodes), worker mode only
-step cache 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
-  --cache-ratio 0.2
 step cache_threads2 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
   --cache-ratio 0.2 --num-threads 2
 # 5. the dropout row

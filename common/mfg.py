@@ -20,6 +20,16 @@ from common.sampled_mfg import FEAT_FRAMES, SampledMFG
 NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
 
 
+def count_index(index: Tensor, n: int) -> Tensor:
+    """How often each of ``0..n-1`` occurs in ``index`` (int64). ``torch.bincount`` on CUDA
+    reads the maximum back to the host (the host waits for the device); a scatter-add there
+    does not."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=n)
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
+        0, index, torch.ones_like(index, dtype=torch.int64))
+
+
 class Block:
     """One layer of an MFG: a bipartite CSC graph from source to destination nodes."""
 
@@ -79,7 +89,7 @@ class Block:
         if t is None or t[0].device != self.indices.device or t[2].dtype != dtype:
             _, _, w = self.mean_bags(dtype)
             order = torch.argsort(self.indices, stable=True)
-            counts = torch.bincount(self.indices, minlength=self._num_src)
+            counts = count_index(self.indices, self._num_src)
             offsets = torch.zeros(self._num_src + 1, dtype=self.indptr.dtype,
                                   device=self.indptr.device)
             torch.cumsum(counts, 0, out=offsets[1:])
@@ -433,23 +443,27 @@ def _source_key(t: Tensor) -> tuple:
 
 
 def to_device(mfg: MFG | HeteroMFG, device: torch.device | str) -> MFG | HeteroMFG:
-    """``mfg`` on ``device`` with non-blocking copies on the current stream, ordered for a
-    host that should not wait: every pageable source first, the page-locked ones (the
-    features in a trainer's registered ring slot) last.
+    """``mfg`` on ``device`` with non-blocking copies on the current stream, none of which
+    makes the host wait.
 
     CUDA copies from pageable memory synchronously: the host waits until the stream reaches
-    the copy and finishes it. Queued behind a batch's page-locked feature copy (tens to
-    hundreds of MB), a pageable one (a block's CSC, the labels) would make the host wait for
-    that copy too, and nothing of it would overlap compute. Views that start at the same
-    address are copied once, the longest of them, and sliced on the device: the blocks' node
-    id slices of the MFG's ids cost one copy, not one per block and side."""
+    the copy and finishes it (behind a batch's feature copy, tens to hundreds of MB, nothing
+    of that would overlap compute). So for CUDA every pageable source (a block's CSC, the ids,
+    the labels: the reply's frames) is first copied into page-locked memory from torch's
+    caching host allocator, the same host copy CUDA's own staging makes, and then copied
+    without a wait; the features in a trainer's registered ring slot are page-locked already.
+    Views that start at the same address are copied once, the longest of them, and sliced on
+    the device: the blocks' node id slices of the MFG's ids cost one copy, not one per block
+    and side."""
     sources: dict[tuple, Tensor] = {}
     for t in mfg_tensors(mfg):
         k = _source_key(t)
         if k not in sources or t.numel() > sources[k].numel():
             sources[k] = t
-    moved = {k: t.to(device, non_blocking=True)
-             for k, t in sorted(sources.items(), key=lambda kv: kv[1].is_pinned())}
+    stage = torch.device(device).type == "cuda"
+    moved = {k: (t.pin_memory() if stage and t.device.type == "cpu" and not t.is_pinned()
+                 else t).to(device, non_blocking=True)
+             for k, t in sources.items()}
 
     def place(t: Tensor) -> Tensor:
         d = moved[_source_key(t)]

@@ -141,13 +141,24 @@ def test_mfg_of_sampled_prefix_ids_and_to_dgl():
     assert moved[0].num_edges() == mfg[0].num_edges()
 
 
-def _copies(monkeypatch, pinned: set[int]) -> list[torch.Tensor]:
-    """Record every ``Tensor.to`` call (the source; a clone stands for the copy) and make
-    ``is_pinned`` answer True for the tensors whose id is in ``pinned``."""
+def _copies(monkeypatch, pinned: set[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Record every ``Tensor.to`` call (the source; a clone stands for the copy) and every
+    ``pin_memory`` call (its source; a clone stands for the page-locked copy, and answers
+    True to ``is_pinned`` like the tensors whose id is in ``pinned``)."""
     calls: list[torch.Tensor] = []
+    staged: list[torch.Tensor] = []
+    pinned = set(pinned)
+
+    def pin(t):
+        staged.append(t)
+        out = t.clone()
+        pinned.add(id(out))
+        return out
+
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: calls.append(t) or t.clone())
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: id(t) in pinned)
-    return calls
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    return calls, staged
 
 
 def _tensors(mfg) -> list[torch.Tensor]:
@@ -157,7 +168,8 @@ def _tensors(mfg) -> list[torch.Tensor]:
     return out
 
 
-def test_to_device_copies_pageable_first_and_each_id_prefix_once(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_to_device_stages_pageable_sources_and_copies_each_id_prefix_once(monkeypatch, device):
     input_nodes = torch.tensor([7, 3, 9, 1, 4])
     b0 = random_block(5, 3, 2, seed=1)
     b1 = random_block(3, 2, 2, seed=2)
@@ -166,13 +178,20 @@ def test_to_device_copies_pageable_first_and_each_id_prefix_once(monkeypatch):
         input_nodes, [Layer.homogeneous(5, 3, b0.indptr, b0.indices),
                       Layer.homogeneous(3, 2, b1.indptr, b1.indices)],
         Features.frames(feat), label))
-    calls = _copies(monkeypatch, pinned={id(feat)})
-    moved = to_device(mfg, "cpu")
-    # the features (page-locked) last; the ids and their per-block slices ids[:n] and the
-    # output nodes (a prefix too) one copy; every other tensor once
-    assert calls[-1] is feat
-    assert sum(t.data_ptr() == input_nodes.data_ptr() for t in calls) == 1
+    calls, staged = _copies(monkeypatch, pinned={id(feat)})
+    moved = to_device(mfg, device)
+    # the ids and their per-block slices ids[:n] and the output nodes (a prefix too) one
+    # copy; every other tensor once
     assert len(calls) == 1 + 4 + 1 + 1  # ids, two CSCs, label, feat
+    if device == "cuda":
+        # every copy from page-locked memory (no copy waits): each pageable source staged
+        # once, the features (page-locked in a ring slot) as they are
+        assert all(t.is_pinned() for t in calls)
+        assert len(staged) == 6 and not any(t is feat for t in staged)
+        assert sum(t.data_ptr() == input_nodes.data_ptr() for t in staged) == 1
+    else:
+        assert not staged  # nothing to wait for on the CPU
+        assert sum(t.data_ptr() == input_nodes.data_ptr() for t in calls) == 1
     for got, want in zip(_tensors(moved), _tensors(mfg), strict=True):
         assert torch.equal(got, want) and got is not want
     assert moved[1].srcdata[NID].data_ptr() == moved.input_nodes.data_ptr()  # a device slice

@@ -293,3 +293,39 @@ def test_the_trainers_optimizer_falls_back_where_torch_refuses_the_fused_kernel(
     opt = build_optimizer(GraphSAGE(16, 32, 5, 2, 0.0).parameters(), 3e-3, 5e-4)
     assert isinstance(opt, NoFused) and not opt.defaults["fused"]
     assert len(opt.param_groups[0]["params"]) == len(list(GraphSAGE(16, 32, 5, 2).parameters()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name,dropout", [("sage", 0.0), ("sage", 0.5), ("gcn", 0.0)])
+def test_a_training_step_on_cuda_never_makes_the_host_wait(name, dropout):
+    """Forward, loss, backward and the fused Adam step are only queued: none reads a value
+    back (torch's sync debug mode warns at each line that does; the message names them). The
+    trainer reads the loss once per step on purpose, after the backward (``_step``)."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    model = build_model(spec(name, num_layers=3, dropout=dropout)).to("cuda").train()
+    opt = build_optimizer(model.parameters(), 3e-3, 5e-4)
+    batches = []
+    for seed in (70, 80):  # fresh blocks each step, as each batch is
+        blocks = [b.to("cuda") for b in blocks_for(3, seed=seed)]
+        x = torch.randn(blocks[0].num_src_nodes(), 8, device="cuda")
+        batches.append((blocks, x, torch.randint(0, 3, (blocks[-1].num_dst_nodes(),),
+                                                 device="cuda")))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for blocks, x, y in batches:
+                loss = F.cross_entropy(model(blocks, x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                    if "synchroniz" in str(w.message)})
+    assert not syncs, "\n".join(syncs)
+    assert torch.isfinite(loss).item()

@@ -327,8 +327,8 @@ class DistNodeDataLoader:
         """A slot's last host tensor is gone; with CUDA, free it once the copy is done."""
         event = None
         if self.copy_stream is not None:
-            # Copies out of the slot ran on the copy stream (or, for the cache's assembly, on
-            # the current one): the slot is free once both have passed this point.
+            # Copies out of the slot ran on the copy stream (the cache's assembly too); the
+            # slot is free once it, and the current stream, have passed this point.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             event = torch.cuda.Event()
             event.record(self.copy_stream)
@@ -338,7 +338,15 @@ class DistNodeDataLoader:
         """Decode the reply into an MFG and start its copy to the device (non-blocking)."""
         t0 = time.perf_counter()
         mfg: MFG | HeteroMFG
-        feats = self._features(reply, slot, handle)
+        start = None
+        if self.copy_stream is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+            # the cache's assembly (a GPU cache's copies and gathers) on the copy stream too
+            with torch.cuda.stream(self.copy_stream):
+                feats = self._features(reply, slot, handle)
+        else:
+            feats = self._features(reply, slot, handle)
         if self.hetero:
             mfg = HeteroMFG.of(reply.mfg, {ns.ntype: f for ns, f in zip(reply.mfg.nodes, feats)},
                                seed_ntype=self.seed_ntype)
@@ -349,8 +357,6 @@ class DistNodeDataLoader:
         t1 = time.perf_counter()
         self.stats.decode_s += t1 - t0
         if self.copy_stream is not None:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
                 mfg = to_device(mfg, self.device)  # pageable sources first: see to_device
             event = torch.cuda.Event(enable_timing=True)

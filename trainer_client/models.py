@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from common.config import HETERO_MODEL_NAMES, MODEL_NAMES  # the --model choices
 from common.errors import ConfigError
-from common.mfg import Block
+from common.mfg import Block, count_index
 from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate, project_first
 
 __all__ = ["MODEL_NAMES", "build_model", "check_spec", "GraphConv", "GATConv", "GCN", "GAT",
@@ -56,7 +56,7 @@ class GraphConv(nn.Module):
         nn.init.xavier_uniform_(self.weight)
 
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
-        out_deg = torch.bincount(block.indices, minlength=block.num_src_nodes())
+        out_deg = count_index(block.indices, block.num_src_nodes())
         h = h_src * out_deg.clamp(min=1).to(h_src.dtype).rsqrt().unsqueeze(1)
         first = project_first(block, self.in_feats, self.out_feats)  # the cheaper order
         if first:
