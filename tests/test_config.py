@@ -484,3 +484,24 @@ def test_flattened_section_keys_may_be_written_at_the_top_level(tmp_path):
                                                              "cluster_out: c.yaml\n", "n.yaml")), {})
     assert node.server.parts == "p" and node.server.num_workers == 4
     assert node.cluster_out == "c.yaml"
+
+
+def test_worker_mode_trainer_threads_split_the_cores_and_a_gpu_trainer_takes_two(monkeypatch):
+    import torch
+
+    from deploy import worker_mode
+
+    monkeypatch.setattr(worker_mode.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def cfg(*argv: str) -> WorkerModeConfig:
+        return load_config(WorkerModeConfig, None, vars(parse(WorkerModeConfig, list(argv))))
+
+    assert worker_mode.trainer_threads(cfg()) == 16  # auto on a host without CUDA: the CPU
+    assert worker_mode.trainer_threads(cfg("--num-trainers", "4")) == 4
+    assert worker_mode.trainer_threads(cfg("--device", "cuda")) == 2
+    assert worker_mode.trainer_threads(cfg("--device", "cuda", "--num-trainers", "16")) == 1
+    assert worker_mode.trainer_threads(cfg("--device", "cuda", "--num-threads", "8")) == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert worker_mode.trainer_threads(cfg()) == 2  # auto with CUDA: the GPU
+    assert worker_mode.trainer_threads(cfg("--device", "cpu")) == 16

@@ -5,12 +5,16 @@ host-device synchronisation, on any stream."""
 
 from __future__ import annotations
 
-import warnings
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainer_client.feature_cache import FeatureCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from syncs import assert_detects_a_sync, syncs_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,17 +60,15 @@ def test_cuda_assemble_equals_the_cpu_one_and_never_makes_the_host_wait():
     assert cache.feat.is_cuda and cache.slot.device.type == "cpu"
     received = received.pin_memory()  # as in a registered ring slot
     side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with torch.cuda.stream(side):  # as the loader runs it: on its copy stream
-                got = cache.assemble(ids, received, present)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-             if "synchroniz" in str(w.message)]
+    out = []
+
+    def assemble():
+        with torch.cuda.stream(side):  # as the loader runs it: on its copy stream
+            out.append(cache.assemble(ids, received, present))
+
+    assert_detects_a_sync()
+    syncs = syncs_of(assemble)
     assert not syncs, "\n".join(syncs)
+    got = out[0]
     side.synchronize()
     assert got.is_cuda and torch.equal(got.cpu(), want)

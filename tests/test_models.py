@@ -301,9 +301,8 @@ def test_a_training_step_on_cuda_never_makes_the_host_wait(name, dropout):
     """Forward, loss, backward and the fused Adam step are only queued: none reads a value
     back (torch's sync debug mode warns at each line that does; the message names them). The
     trainer reads the loss once per step on purpose, after the backward (``_step``)."""
-    import warnings
-
     import torch.nn.functional as F
+    from syncs import assert_detects_a_sync, syncs_of
 
     model = build_model(spec(name, num_layers=3, dropout=dropout)).to("cuda").train()
     opt = build_optimizer(model.parameters(), 3e-3, 5e-4)
@@ -313,19 +312,17 @@ def test_a_training_step_on_cuda_never_makes_the_host_wait(name, dropout):
         x = torch.randn(blocks[0].num_src_nodes(), 8, device="cuda")
         batches.append((blocks, x, torch.randint(0, 3, (blocks[-1].num_dst_nodes(),),
                                                  device="cuda")))
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for blocks, x, y in batches:
-                loss = F.cross_entropy(model(blocks, x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                    if "synchroniz" in str(w.message)})
+    losses = []
+
+    def steps():
+        for blocks, x, y in batches:
+            loss = F.cross_entropy(model(blocks, x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+
+    assert_detects_a_sync()
+    syncs = syncs_of(steps)
     assert not syncs, "\n".join(syncs)
-    assert torch.isfinite(loss).item()
+    assert len(losses) == 2 and bool(torch.isfinite(torch.stack(losses)).all())
