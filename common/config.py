@@ -204,8 +204,8 @@ class TrainerConfig:
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda")
     num_threads: int = opt(
         0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
-        "cores / trainers so co-located processes do not oversubscribe the CPU, and at most 2 "
-        "for a trainer on a GPU, whose host work gains nothing from more)")
+        "cores / trainers so co-located processes do not oversubscribe the CPU, and 1 for a "
+        "trainer on a GPU, whose host work gains nothing from more)")
     malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")

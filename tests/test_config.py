@@ -486,7 +486,7 @@ def test_flattened_section_keys_may_be_written_at_the_top_level(tmp_path):
     assert node.cluster_out == "c.yaml"
 
 
-def test_worker_mode_trainer_threads_split_the_cores_and_a_gpu_trainer_takes_two(monkeypatch):
+def test_worker_mode_trainer_threads_split_the_cores_and_a_gpu_trainer_takes_one(monkeypatch):
     import torch
 
     from deploy import worker_mode
@@ -499,9 +499,9 @@ def test_worker_mode_trainer_threads_split_the_cores_and_a_gpu_trainer_takes_two
 
     assert worker_mode.trainer_threads(cfg()) == 16  # auto on a host without CUDA: the CPU
     assert worker_mode.trainer_threads(cfg("--num-trainers", "4")) == 4
-    assert worker_mode.trainer_threads(cfg("--device", "cuda")) == 2
-    assert worker_mode.trainer_threads(cfg("--device", "cuda", "--num-trainers", "16")) == 1
+    assert worker_mode.trainer_threads(cfg("--device", "cuda")) == 1
+    assert worker_mode.trainer_threads(cfg("--device", "cuda", "--num-trainers", "2")) == 1
     assert worker_mode.trainer_threads(cfg("--device", "cuda", "--num-threads", "8")) == 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert worker_mode.trainer_threads(cfg()) == 2  # auto with CUDA: the GPU
+    assert worker_mode.trainer_threads(cfg()) == 1  # auto with CUDA: the GPU
     assert worker_mode.trainer_threads(cfg("--device", "cpu")) == 16
