@@ -16,6 +16,7 @@ are cached like the others when hot: correct, but cache space spent on rows a ru
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -60,27 +61,27 @@ class FeatureCache:
         """Features of ``input_nodes``: received rows where ``present``, cached rows elsewhere,
         on the cache's device. ``input_nodes`` and ``present`` are host tensors (the reply's).
 
-        Row positions are found on the host, then rows copied with index_select / index_copy_
-        (boolean-mask indexing would find them again for every read and write). With a CUDA
-        cache the work is queued on the current stream and nothing waits for the device:
-        the three index vectors go over in one page-locked copy, the received rows (page-locked
-        in a ring slot) without a wait either. Run on the loader's copy stream, the assembly
+        Row positions are found on the host (numpy), then rows copied with index_select /
+        index_copy_ (boolean-mask indexing would find them again for every read and write).
+        With a CUDA cache the work is queued on the current stream and nothing waits for the
+        device: the three index vectors go over in one page-locked copy, the received rows
+        (page-locked in a ring slot) without a wait either. Run on the loader's copy stream, the assembly
         overlaps the previous batch's compute (on the default stream it would queue behind it,
         and a pageable copy or a device-side ``nonzero`` would make the host wait for both)."""
-        present = present.cpu()
-        have = torch.nonzero(present).flatten()
-        fill = torch.nonzero(~present).flatten()
-        slots = self.slot.index_select(0, input_nodes.cpu().index_select(0, fill)).long()
-        if slots.numel() and int(slots.min()) < 0:
+        p = present.cpu().numpy()
+        have = np.flatnonzero(p)  # numpy: 3-4x torch.nonzero's speed on the CPU
+        fill = np.flatnonzero(~p)
+        slots = self.slot.numpy()[input_nodes.cpu().numpy()[fill]]
+        if slots.size and int(slots.min()) < 0:
             raise RuntimeError("a server left out features of a node this trainer does not "
                                "cache: trainer and servers disagree on --cache-ratio / "
                                "hot_rank.npy")
+        index = torch.empty(have.size + fill.size + slots.size, dtype=torch.int64,
+                            pin_memory=self.device.type == "cuda")
+        np.concatenate([have, fill, slots], out=index.numpy())  # int32 slots widened
         if self.device.type != "cpu":
-            index = torch.cat([have, fill, slots])
-            if self.device.type == "cuda":
-                index = index.pin_memory()
-            have, fill, slots = index.to(self.device, non_blocking=True).split(
-                [have.numel(), fill.numel(), slots.numel()])
+            index = index.to(self.device, non_blocking=True)
+        have, fill, slots = index.split([have.size, fill.size, slots.size])
         out = torch.empty((input_nodes.numel(), self.feat.shape[1]), dtype=self.feat.dtype,
                           device=self.device)
         out.index_copy_(0, have, received.to(self.device, non_blocking=True).to(self.feat.dtype))
