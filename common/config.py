@@ -56,6 +56,12 @@ RETAIN_HELP = (
     "batch's peak plus N MiB; 0: the C library's defaults")
 
 
+# torch threads of a trainer computing on a GPU unless --num-threads says otherwise: on an
+# H200 node the seed model ran 2.8x (products) and 3.6x (RMAT) faster with 1 than with 16,
+# the width of the machine (docs/benchmarks.md, "Issue 14, session 35")
+GPU_TRAINER_THREADS = 1
+
+
 @dataclass
 class ServerConfig:
     """One sampler server process: which partition it serves and where."""
@@ -203,9 +209,10 @@ class TrainerConfig:
         "docs/benchmarks.md)")
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda")
     num_threads: int = opt(
-        0, "torch CPU threads of this trainer; 0 keeps torch's default (worker-mode sets "
-        "cores / trainers so co-located processes do not oversubscribe the CPU, and 1 for a "
-        "trainer on a GPU, whose host work gains nothing from more)")
+        0, "torch CPU threads of this trainer; 0: torch's default on the CPU, 1 on a GPU "
+        "(its host work gains nothing from more, and several GPU trainers on a node would "
+        "each start a team as wide as the machine). worker-mode sets cores / trainers on the "
+        "CPU so co-located processes do not oversubscribe it, and 1 on a GPU")
     malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")

@@ -42,6 +42,7 @@ from pathlib import Path
 from common.cli import raise_on_signals, run_main
 from common.cluster import ClusterSpec
 from common.config import (
+    GPU_TRAINER_THREADS,
     DDPConfig,
     InferConfig,
     WorkerModeConfig,
@@ -129,17 +130,14 @@ def _partition_into(out: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-GPU_TRAINER_THREADS = 1  # torch threads of a trainer computing on a GPU (trainer_threads)
-
-
 def trainer_threads(cfg: WorkerModeConfig) -> int:
     """torch threads per trainer: ``--num-threads``, else the cores split over the trainers,
-    and :data:`GPU_TRAINER_THREADS` for a trainer on a GPU. Its host work (decoding, staging
-    copies, launching kernels) gains nothing from a team of OpenMP threads, and a team as wide
-    as the machine waits at every parallel region for threads the co-located servers have
-    descheduled. On an H200 machine with 16 cores the seed model ran at 26k (products) and
-    36k (RMAT) seeds/s with 16 threads, 67-74k and 90-104k with 2 or 4, 75k and 131k with 1
-    (docs/benchmarks.md, "Issue 14, session 35")."""
+    and :data:`~common.config.GPU_TRAINER_THREADS` (1) for a trainer on a GPU. Its host work
+    (decoding, staging copies, launching kernels) gains nothing from a team of OpenMP threads,
+    and a team as wide as the machine waits at every parallel region for threads the
+    co-located servers have descheduled. On an H200 machine with 16 cores the seed model ran
+    at 26k (products) and 36k (RMAT) seeds/s with 16 threads, 67-74k and 90-104k with 2 or 4,
+    75k and 131k with 1 (docs/benchmarks.md, "Issue 14, session 35")."""
     if cfg.trainer.num_threads:
         return cfg.trainer.num_threads
     if trainer_on_gpu(cfg):

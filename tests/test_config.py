@@ -505,3 +505,26 @@ def test_worker_mode_trainer_threads_split_the_cores_and_a_gpu_trainer_takes_one
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert worker_mode.trainer_threads(cfg()) == 1  # auto with CUDA: the GPU
     assert worker_mode.trainer_threads(cfg("--device", "cpu")) == 16
+
+
+def test_a_trainer_client_on_a_gpu_takes_one_thread_unless_told(monkeypatch):
+    """trainer-client's --num-threads 0: torch's default on the CPU, 1 on a GPU (the device
+    is stood in for: the policy is what is tested; the CUDA trainer tests run it for real)."""
+    import torch
+
+    from trainer_client import train
+
+    before = torch.get_num_threads()
+    try:
+        for device, argv, want in [("cpu", [], before), ("cuda", [], 1),
+                                   ("cuda", ["--num-threads", "3"], 3),
+                                   ("cpu", ["--num-threads", "2"], 2)]:
+            torch.set_num_threads(before)
+            monkeypatch.setattr(train, "pick_device", lambda cfg, rank, d=device:
+                                torch.device(d))
+            cfg = load_config(TrainerConfig, None,
+                              vars(parse(TrainerConfig, ["--cluster", "c.yaml", *argv])))
+            assert train._init_ddp(cfg, train.DDPSetup()).type == device
+            assert torch.get_num_threads() == want, (device, argv)
+    finally:
+        torch.set_num_threads(before)

@@ -39,7 +39,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.alloc import retain_freed_memory
 from common.cluster import ClusterSpec
-from common.config import HETERO_MODEL_NAMES, InferConfig, TrainerConfig, to_dict
+from common.config import (
+    GPU_TRAINER_THREADS,
+    HETERO_MODEL_NAMES,
+    InferConfig,
+    TrainerConfig,
+    to_dict,
+)
 from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
 from common.logs import bars_allowed
@@ -214,9 +220,9 @@ def _init_ddp(cfg: TrainerConfig, ddp: DDPSetup) -> torch.device:
     torch.manual_seed(cfg.seed)
     _RETAINED_MB = cfg.malloc_retain_mb if retain_freed_memory(
         cfg.malloc_retain_mb, f"trainer rank {ddp.rank}") else 0
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     device = pick_device(cfg, ddp.local_rank)
+    if cfg.num_threads or device.type == "cuda":
+        torch.set_num_threads(cfg.num_threads or GPU_TRAINER_THREADS)
     if ddp.world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
