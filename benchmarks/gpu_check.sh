@@ -2,9 +2,9 @@
 # The GPU check of issue 14, run on a machine with one NVIDIA GPU (docs/benchmarks.md,
 # "GPU"): the CUDA tests, then benchmarks.run --device cuda on both graph families (the seed
 # model end to end against DGL's GPU recipe, with the share of the host-to-device copy hidden
-# behind compute), the trainer's feature cache on the GPU, the trainer with 2 torch threads,
-# and the dropout row (about 10 minutes on an H200 machine, most important first: a
-# device check that runs out of time still brings back its first steps). Each step
+# behind compute), the dropout row, the trainer's feature cache on the GPU and the trainer
+# with 2 torch threads (about 8 minutes on an H200 machine, most important first: a device
+# check that runs out of time still brings back its first steps). Each step
 # has its own time limit and the script goes on after a failed one; each step's JSON summary
 # goes to OUT/<step>.json, the log to OUT/log.txt.
 #
@@ -55,20 +55,19 @@ COMMON=(--family products,rmat --train-frac 0.1 --epochs 2 --device cuda
         --skip dgl-sample,server,ddp,step,datapath,limits,wire,hetero
         --worker-servers 4 --server-workers 3 --inflight 8)
 WORKER_ONLY=(--skip dgl-train,dgl-sample,server,ddp,step,datapath,limits,wire,hetero)
-# 2. the headline on the GPU: seed model, DGL's GPU recipe vs worker mode (DGL_WORKERS=0,1,4
-#    adds DataLoader workers: 3-4x slower than 0 on an H200 machine in session 34)
+# 2. the headline on the GPU: seed model, DGL's GPU recipe (its default threads, its best) vs
+#    worker mode (a GPU trainer's default: 1 torch thread). DGL_WORKERS=0,1,4 adds DataLoader
+#    workers: 3-4x slower than 0 on an H200 machine in session 34
 step main 240 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 \
   --dgl-workers "${DGL_WORKERS:-0}"
-# 3. the trainer's feature cache in GPU memory (20% hottest nodes), worker mode only
-step cache 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
-  --cache-ratio 0.2
-# 4. the trainer with 2 torch threads instead of every core (its step is on the GPU; its
-#    threads' spinning may take the servers' cores), without and with the cache
-step threads2 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
-  --num-threads 2
-step cache_threads2 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
-  --cache-ratio 0.2 --num-threads 2
-# 5. the dropout row
+# 3. the dropout row
 step dropout 200 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0.5 \
   --dgl-workers "${DGL_WORKERS:-0}"
+# 4. the trainer's feature cache in GPU memory (20% hottest nodes), worker mode only
+step cache 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
+  --cache-ratio 0.2
+# 5. the trainer with 2 torch threads instead of the default 1 (session 35, one run each:
+#    1 ahead on RMAT, even on products; 16 was 3-4x slower)
+step threads2 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
+  --num-threads 2
 say "done"
