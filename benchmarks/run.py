@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch (and DGL) threads of each training process on both sides: the "
                         "DGL process / each DDP process, each worker-mode trainer, and the "
                         "step/datapath/limits modules (default: each side's default: torch's "
-                        "for DGL, cores / trainers for worker-mode and DDP)")
+                        "for DGL, cores / trainers for worker-mode and DDP on the CPU, 1 for a "
+                        "worker-mode trainer on a GPU)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides' models compute: cpu (default), or cuda: worker-mode "
                         "trainers get --device cuda and DGL's side runs its GPU recipe (DGL "
