@@ -509,7 +509,8 @@ def test_worker_mode_trainer_threads_split_the_cores_and_a_gpu_trainer_takes_one
 
 def test_a_trainer_client_on_a_gpu_takes_one_thread_unless_told(monkeypatch):
     """trainer-client's --num-threads 0: torch's default on the CPU, 1 on a GPU (the device
-    is stood in for: the policy is what is tested; the CUDA trainer tests run it for real)."""
+    is stood in for: the policy is what is tested; the CUDA trainer tests run it for real).
+    --malloc-retain-mb 0: this process's allocator stays as it is for the tests after."""
     import torch
 
     from trainer_client import train
@@ -523,7 +524,8 @@ def test_a_trainer_client_on_a_gpu_takes_one_thread_unless_told(monkeypatch):
             monkeypatch.setattr(train, "pick_device", lambda cfg, rank, d=device:
                                 torch.device(d))
             cfg = load_config(TrainerConfig, None,
-                              vars(parse(TrainerConfig, ["--cluster", "c.yaml", *argv])))
+                              vars(parse(TrainerConfig, ["--cluster", "c.yaml",
+                                                          "--malloc-retain-mb", "0", *argv])))
             assert train._init_ddp(cfg, train.DDPSetup()).type == device
             assert torch.get_num_threads() == want, (device, argv)
     finally:

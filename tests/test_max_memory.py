@@ -6,6 +6,7 @@ trains on a set written by the streaming pipeline. Real CLI processes, real file
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -78,9 +79,15 @@ def test_check_budget_names_the_minimum_and_the_way_out():
 def test_rss_monitor_sees_an_allocation():
     with memplan.RssMonitor(interval_s=0.01) as mon:
         before = mon.sample()
-        block = np.ones(200 << 20, dtype=np.uint8)  # 200 MiB, touched
+        # 200 MiB of fresh pages, touched: mapped directly, so that no allocator setting of
+        # this process (a test that ran --malloc-retain-mb in it) can hand back pages that
+        # are resident already
+        block = mmap.mmap(-1, 200 << 20)
+        view = np.frombuffer(block, dtype=np.uint8)
+        view[:] = 1
         mon.sample()
-        del block
+        del view
+        block.close()
     assert mon.peak >= before + (150 << 20) and mon.samples >= 2
 
 
