@@ -62,6 +62,13 @@ RETAIN_HELP = (
 GPU_TRAINER_THREADS = 1
 
 
+def wants_cuda(device: str) -> bool:
+    """Whether ``--device`` puts a trainer on a GPU: cuda, or auto where torch sees CUDA."""
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 @dataclass
 class ServerConfig:
     """One sampler server process: which partition it serves and where."""

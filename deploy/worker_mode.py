@@ -49,6 +49,7 @@ from common.config import (
     add_config_args,
     load_config,
     to_argv,
+    wants_cuda,
 )
 from common.errors import ConfigError
 from common.jsonout import dumps_strict
@@ -140,17 +141,9 @@ def trainer_threads(cfg: WorkerModeConfig) -> int:
     75k and 131k with 1 (docs/benchmarks.md, "Issue 14, session 35")."""
     if cfg.trainer.num_threads:
         return cfg.trainer.num_threads
-    if trainer_on_gpu(cfg):
+    if wants_cuda(cfg.trainer.device):
         return GPU_TRAINER_THREADS
     return max(1, (os.cpu_count() or 1) // cfg.num_trainers)
-
-
-def trainer_on_gpu(cfg: WorkerModeConfig) -> bool:
-    """Whether the trainers compute on a GPU (``--device cuda``, or auto with CUDA present)."""
-    import torch
-
-    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
-                                            and torch.cuda.is_available())
 
 
 def child_env(role: str, clients: int = 1, threads: int = 1) -> dict[str, str]:

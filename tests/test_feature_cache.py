@@ -5,16 +5,11 @@ host-device synchronisation, on any stream."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from syncs import assert_detects_a_sync, syncs_of
 
 from trainer_client.feature_cache import FeatureCache
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from syncs import assert_detects_a_sync, syncs_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

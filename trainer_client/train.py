@@ -45,6 +45,7 @@ from common.config import (
     InferConfig,
     TrainerConfig,
     to_dict,
+    wants_cuda,
 )
 from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
@@ -113,7 +114,7 @@ class DDPSetup:
 
 def pick_device(cfg: TrainerConfig | InferConfig, local_rank: int) -> torch.device:
     """The torch device for ``--device`` (auto: this rank's GPU when CUDA is present)."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if wants_cuda(cfg.device):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; "
                                "use --device cpu or auto")
