@@ -9,6 +9,10 @@
 # goes to OUT/<step>.json, the log to OUT/log.txt.
 #
 #   OUT=dir bash benchmarks/gpu_check.sh [wheel dir]
+#   OUT=dir STEPS="tests main" TESTS="tests/test_models.py" bash benchmarks/gpu_check.sh [wheel dir]
+#
+# STEPS names the steps to run (default: all, in the order below); TESTS the test files of
+# the first step (default: every file with CUDA tests).
 #
 # Where the project is not installed (a bare machine with torch and CUDA), the wheels in the
 # given directory (pyzmq, dgl, ogb and theirs) are installed into /tmp/site first.
@@ -41,15 +45,17 @@ nproc >>"$LOG"
 
 step() {  # step NAME LIMIT_S COMMAND...: stdout (the JSON summary) to OUT/NAME.json
   local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
   say "step $name: $*"
   timeout -k 10 "$limit" "$@" >"$OUT/$name.json" 2>>"$LOG"
   say "step $name exit $?"
 }
 
 # 1. what CI cannot run: the tests that need a CUDA device
-step tests 200 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_models.py tests/test_hetero_model.py tests/test_prefetch.py tests/test_worker_mode.py \
-  tests/test_feature_cache.py -k "cuda or pin_memory or threads_cover or default_synthetic"
+read -r -a TEST_FILES <<< "${TESTS:-tests/test_models.py tests/test_hetero_model.py \
+tests/test_prefetch.py tests/test_worker_mode.py tests/test_feature_cache.py}"
+step tests 200 "$PY" -m pytest -q -p no:cacheprovider "${TEST_FILES[@]}" \
+  -k "cuda or pin_memory or threads_cover or default_synthetic"
 
 COMMON=(--family products,rmat --train-frac 0.1 --epochs 2 --device cuda
         --skip dgl-sample,server,ddp,step,datapath,limits,wire,hetero

@@ -1,7 +1,9 @@
 """The model choice: each plain-torch layer equals its dgl.nn counterpart on the same block
 with the same weights (forward and gradients, including destinations without in-edges);
 forward is the loop of forward_layer; build_model validates the spec; models train; the
-trainer's optimizer (build_optimizer) is Adam's update through the fused kernel."""
+trainer's optimizer (build_optimizer) is Adam's update through the fused kernel, and its
+guarded step (guarded_step) is that update where everything is finite and no change at all
+where anything is not."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from trainer_client.models import (
     build_optimizer,
     check_spec,
     edge_softmax,
+    guarded_step,
+    supports_guard,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -279,6 +283,58 @@ def test_the_trainers_optimizer_is_fused_adam_with_adams_update():
     assert (plain - moved).abs().max() > 1e-3  # the steps did move the parameters
 
 
+def _guard_params(bad_steps: set[int], guarded: bool, steps: int = 12):
+    """GraphSAGE's parameters and Adam's state after ``steps`` steps of random gradients, the
+    steps in ``bad_steps`` with a NaN gradient entry and through ``guarded_step`` (else
+    ``opt.step()``, skipping the bad steps: what the guard must amount to)."""
+    torch.manual_seed(0)
+    model = GraphSAGE(16, 32, 5, 2, 0.0)
+    opt = build_optimizer(model.parameters(), 3e-3, 5e-4)
+    g = torch.Generator().manual_seed(1)
+    flags = []
+    for i in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        loss = torch.tensor(0.5)
+        if i in bad_steps:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        if guarded:
+            flags.append(float(guarded_step(opt, model.parameters(), loss)))
+        elif i not in bad_steps:
+            opt.step()
+    state = [t.detach().clone() for p in model.parameters()
+             for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"],
+                       opt.state[p]["step"])]
+    return state, flags
+
+
+def test_the_guarded_step_is_adams_step_and_changes_nothing_on_a_non_finite_gradient():
+    """Bitwise the plain step where all is finite; where a gradient entry is NaN, the
+    parameters, both moments and the step count stay as they were (the flag reads 1)."""
+    opt = build_optimizer(GraphSAGE(16, 32, 5, 2, 0.0).parameters(), 3e-3, 5e-4)
+    assert supports_guard(opt)
+    assert not supports_guard(torch.optim.Adam(GraphSAGE(4, 4, 2, 1).parameters()))
+    want, _ = _guard_params(set(), guarded=False)
+    got, flags = _guard_params(set(), guarded=True)
+    assert flags == [0.0] * 12
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    want, _ = _guard_params({3, 7}, guarded=False)
+    got, flags = _guard_params({3, 7}, guarded=True)
+    assert flags == [1.0 if i in (3, 7) else 0.0 for i in range(12)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert float(want[3]) == 10  # the first parameter's step count: 12 steps, 2 skipped
+
+
+def test_the_guard_flags_a_non_finite_loss_with_finite_gradients():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer([w], 0.1, 0.0)
+    w.grad = torch.ones(3)
+    assert float(guarded_step(opt, [w], torch.tensor(float("inf")))) == 1.0
+    assert torch.equal(w.detach(), torch.ones(3))
+    assert float(guarded_step(opt, [w], torch.tensor(2.0))) == 0.0
+    assert not torch.equal(w.detach(), torch.ones(3))
+
+
 def test_the_trainers_optimizer_falls_back_where_torch_refuses_the_fused_kernel(monkeypatch):
     real = torch.optim.Adam
 
@@ -298,9 +354,10 @@ def test_the_trainers_optimizer_falls_back_where_torch_refuses_the_fused_kernel(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name,dropout", [("sage", 0.0), ("sage", 0.5), ("gcn", 0.0)])
 def test_a_training_step_on_cuda_never_makes_the_host_wait(name, dropout):
-    """Forward, loss, backward and the fused Adam step are only queued: none reads a value
-    back (torch's sync debug mode warns at each line that does; the message names them). The
-    trainer reads the loss once per step on purpose, after the backward (``_step``)."""
+    """Forward, loss, backward, the finite check and the fused Adam step skipped on it
+    (``guarded_step``, the trainer's step) are only queued: none reads a value back (torch's
+    sync debug mode warns at each line that does; the message names them). The trainer reads
+    each step's loss and flag after fetching the next batch (``train.settle``)."""
     import torch.nn.functional as F
     from syncs import assert_detects_a_sync, syncs_of
 
@@ -312,17 +369,18 @@ def test_a_training_step_on_cuda_never_makes_the_host_wait(name, dropout):
         x = torch.randn(blocks[0].num_src_nodes(), 8, device="cuda")
         batches.append((blocks, x, torch.randint(0, 3, (blocks[-1].num_dst_nodes(),),
                                                  device="cuda")))
-    losses = []
+    losses, flags = [], []
 
     def steps():
         for blocks, x, y in batches:
             loss = F.cross_entropy(model(blocks, x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            opt.step()
+            flags.append(guarded_step(opt, model.parameters(), loss))
             losses.append(loss.detach())
 
     assert_detects_a_sync()
     syncs = syncs_of(steps)
     assert not syncs, "\n".join(syncs)
     assert len(losses) == 2 and bool(torch.isfinite(torch.stack(losses)).all())
+    assert torch.stack(flags).tolist() == [0.0, 0.0]

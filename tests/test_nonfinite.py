@@ -1,7 +1,8 @@
 """Non-finite numbers never pass silently (issue #9).
 
 * Features with NaN: training stops at the first batch whose loss is not finite, on every rank
-  (no rank left waiting in a collective), naming the epoch and batch; worker-mode exits 1
+  (no rank left waiting in a collective), naming the epoch and batch, whether the loss is
+  read before the step or one fetch later with the step skipped on a device flag; worker-mode exits 1
   (a child failed), trainer-client ranks exit 2 (an mfgserve error), no traceback.
 * Every JSON line mfgserve prints is strict JSON: non-finite floats become ``null``.
 """
@@ -108,40 +109,58 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer_client.train import DDPSetup, NonFiniteLossError, check_finite
+from trainer_client.models import build_optimizer, guarded_step
+from trainer_client.train import DDPSetup, NonFiniteLossError, PendingStep, check_finite, settle
 
-rank, port = int(sys.argv[1]), sys.argv[2]
+rank, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=2, timeout=timedelta(seconds=60))
 torch.manual_seed(0)
 net = DDP(torch.nn.Linear(4, 3))
+opt = build_optimizer(net.parameters(), 0.01, 0.0)
 ddp = DDPSetup(rank=rank, world_size=2)
+pending = None
 try:
     for batch in range(5):
-        x = torch.randn(8, 4)
+        x = torch.randn(8, 4)  # the next batch is fetched, then the last step is read
+        if pending is not None:
+            settle(pending, ddp, epoch=0, num_batches=5)
         if rank == 0 and batch == 2:
             x[3, 1] = float("nan")  # only rank 0 sees a bad input, only at batch 2
         loss = torch.nn.functional.cross_entropy(net(x), torch.zeros(8, dtype=torch.long))
-        net.zero_grad()
+        opt.zero_grad()
         loss.backward()
-        check_finite(float(loss), net, ddp, epoch=0, batch=batch, num_batches=5)
+        if mode == "deferred":  # the trainer's step with the fused Adam (train._step)
+            pending = PendingStep(loss.detach(), guarded_step(opt, net.parameters(), loss),
+                                  batch)
+        else:  # with --grad-clip or a node embedding
+            check_finite(float(loss), net, ddp, epoch=0, batch=batch, num_batches=5)
+            opt.step()
+    if pending is not None:
+        settle(pending, ddp, epoch=0, num_batches=5)
     code = 0
 except NonFiniteLossError as e:
     print(e, flush=True)
     code = 3
+weights = torch.cat([q.detach().flatten() for q in net.parameters()])
+print("finite weights" if bool(torch.isfinite(weights).all()) else "NaN weights", flush=True)
 dist.destroy_process_group()
 os._exit(code)  # as trainer-client does: gloo can abort a normal interpreter exit
 """
 
 
 @pytest.mark.timeout(120)
-def test_one_rank_with_a_nan_loss_stops_every_rank_at_the_same_batch(tmp_path):
+@pytest.mark.parametrize("mode", ["deferred", "checked"])
+def test_one_rank_with_a_nan_loss_stops_every_rank_at_the_same_batch(tmp_path, mode):
     """Only rank 0's loss is NaN; rank 1's own loss is finite, yet it stops at the same batch
-    (the all-reduced gradients carry the NaN) instead of waiting for rank 0 in a collective."""
+    (the all-reduced gradients carry the NaN) instead of waiting for rank 0 in a collective.
+    Both ways the trainer steps: the loss read one fetch late with the step skipped on a
+    device flag (the default), and read before the step (``--grad-clip``). Neither lets the
+    NaN into the weights."""
     script = tmp_path / "one_bad_rank.py"
     script.write_text(ONE_BAD_RANK)
     port = str(free_ports(1)[0])
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, mode], cwd=REPO,
                               env=clean_env(PYTHONPATH=str(REPO)), stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
@@ -149,5 +168,6 @@ def test_one_rank_with_a_nan_loss_stops_every_rank_at_the_same_batch(tmp_path):
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 3, f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}"
         assert "epoch 0, batch 2 of 5" in out, out
+        assert "finite weights" in out, out
     assert "training loss is not finite (nan)" in outs[0][0], outs[0][0]
     assert "not finite on another rank" in outs[1][0], outs[1][0]

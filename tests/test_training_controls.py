@@ -159,3 +159,27 @@ def test_worker_mode_run_directory_schedule_and_clipping(synth_parts1, tmp_path)
     assert best["format"] == "mfgserve-model/1" and best["epoch"] == summary["best_epoch"]
     assert best["valid_acc"] == pytest.approx(summary["valid_acc"], abs=1e-4)
     build_model(best["model_spec"]).load_state_dict(best["state_dict"])
+
+
+@pytest.mark.timeout(300)
+def test_reading_the_loss_one_batch_late_trains_exactly_as_reading_it_at_once(
+        synth_parts1, server_factory, tmp_path):
+    """The trainer's default step reads each loss after fetching the next batch, the finite
+    check riding on the device (``train.defers_loss_read``); ``--grad-clip`` reads it before
+    the step. With a clip bound no gradient reaches (1e9: the gradients are multiplied by
+    exactly 1), both runs are the same training: the same losses, every epoch's loss the mean
+    of all its batches' (the last one included), and the same final parameters."""
+    server = server_factory(synth_parts1, 0)
+    cluster = cluster_file(tmp_path, {0: [server.endpoint]})
+    args = ["--epochs", "2", "--seed", "5", "--checkpoint-every", "2"]
+    late, checked = tmp_path / "late", tmp_path / "checked"
+    procs = [*start_trainers(cluster, [*args, "--run-dir", late]),
+             *start_trainers(cluster, [*args, "--grad-clip", "1e9", "--run-dir", checked])]
+    finish(procs, 240)
+    ml, mc = metrics(late), metrics(checked)
+    assert [m["loss"] for m in ml] == [m["loss"] for m in mc]
+    assert "clipped_steps" not in ml[0] and mc[0]["clipped_steps"] == 0
+    a, b = (torch.load(d / "checkpoints" / "epoch-000002.pt", weights_only=True)
+            for d in (late, checked))
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name

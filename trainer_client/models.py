@@ -223,3 +223,32 @@ def build_optimizer(params, lr: float, weight_decay: float) -> torch.optim.Adam:
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=True)
     except RuntimeError:  # "`fused=True` requires all the params to be ... supported devices"
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+
+
+def non_finite_flag(params, loss: Tensor) -> Tensor:
+    """1.0 when ``loss`` or any gradient of ``params`` holds NaN/inf, else 0.0: a 0-dim float
+    tensor on the loss's device, computed without reading anything back (one sum per
+    parameter, as ``train._grads_finite``: a finite sum overflowing float32 counts too)."""
+    sums = [p.grad.sum() for p in params if p.grad is not None]
+    values = torch.stack([*sums, loss.detach().reshape(())]).float()
+    return torch.logical_not(torch.isfinite(values)).any().float()
+
+
+def supports_guard(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` can skip a step on a device-side flag (``guarded_step``): torch's fused
+    Adam takes ``found_inf``, the protocol ``torch.amp.GradScaler`` uses; the default
+    implementation refuses it."""
+    return isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused"))
+
+
+def guarded_step(opt: torch.optim.Optimizer, params, loss: Tensor) -> Tensor:
+    """Queue ``opt``'s step so that it changes nothing when the loss or a gradient is not
+    finite, and return that flag (``non_finite_flag``) for the caller to read later. The fused
+    kernel skips the parameters, moments and step count where the flag is 1; on a GPU nothing
+    here makes the host wait, so the caller can read the loss after fetching the next batch
+    (``train._step``). Needs ``supports_guard(opt)``."""
+    bad = non_finite_flag(params, loss)
+    opt.found_inf = bad  # type: ignore[attr-defined]  # read by torch.optim.adam._fused_adam
+    opt.step()
+    return bad
+

@@ -77,7 +77,7 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.models import build_model, build_optimizer
+from trainer_client.models import build_model, build_optimizer, guarded_step, supports_guard
 from trainer_client.node_embedding import NodeEmbedding
 from trainer_client.run_dir import (
     RunFiles,
@@ -270,6 +270,13 @@ def check_finite(loss: float, net, ddp: DDPSetup, epoch: int, batch: int,
     would stop here; the others fail at their next collective with :class:`DDPPeerError`.)"""
     if math.isfinite(loss) and _grads_finite(net):
         return
+    raise_non_finite(loss, ddp, epoch, batch, num_batches)
+
+
+def raise_non_finite(loss: float, ddp: DDPSetup, epoch: int, batch: int,
+                     num_batches: int) -> None:
+    """Raise :class:`NonFiniteLossError` for the step of ``batch``: the loss (this rank's,
+    ``loss``) is not finite, or else the gradients are (on another rank, under DDP)."""
     where = f"at epoch {epoch}, batch {batch} of {num_batches} (both counted from 0)"
     hint = ("Check the input features and labels for NaN/inf (numpy.isfinite on each part's "
             "feat.npy), or lower the learning rate (--lr)")
@@ -413,25 +420,68 @@ def _evaluate_rocauc(run: Run, loader: DistNodeDataLoader, desc: str) -> float:
     return check_shared_score(_all_sum([score], run.ddp, run.device)[0], error, desc)
 
 
-def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int) -> None:
-    """One mini-batch: forward, backward (DDP averages the gradients), checks, clip, step."""
+@dataclass
+class PendingStep:
+    """A queued training step whose loss and finite flag are not read yet (``_step``)."""
+
+    loss: Tensor  # detached, on the device
+    bad: Tensor  # 0-dim float on the device: 1.0 where the loss or a gradient was not finite
+    batch: int
+
+
+def defers_loss_read(run: Run) -> bool:
+    """Whether each step's loss is read one batch late (after the next batch is fetched):
+    where the optimizer can skip a step on a device-side flag (``models.supports_guard``:
+    the fused Adam) and no other part of the step needs a value from it (``--grad-clip``
+    reads the gradient norm; ``--node-emb-dim``'s sparse update runs on the host)."""
+    return supports_guard(run.opt) and run.cfg.grad_clip <= 0 and run.emb is None
+
+
+def settle(pending: PendingStep, ddp: DDPSetup, epoch: int, num_batches: int) -> float:
+    """Read a queued step's loss and flag (one read back; on a GPU the host waits here for
+    that step to finish) and raise as ``check_finite`` does, naming that step's batch. The
+    step itself changed nothing where the flag is set (``models.guarded_step``)."""
+    value, bad = torch.stack([pending.loss.float().reshape(()), pending.bad]).tolist()
+    if bad:
+        raise_non_finite(value, ddp, epoch, pending.batch, num_batches)
+    return value
+
+
+def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int,
+          pending: PendingStep | None = None) -> PendingStep | None:
+    """One mini-batch: forward, backward (DDP averages the gradients), checks, clip, step.
+
+    Where ``defers_loss_read(run)``, the step is only queued: the finite check rides on the
+    device (the fused Adam skips a non-finite step), and this step's loss is returned
+    unread, to be settled at the start of the next step, after the loader has fetched and
+    staged the next batch while the device computed this one (on a GPU the host reading the
+    loss here would leave the device idle during that fetch; DGL's loop reads it late too).
+    A non-finite step still stops training at that batch's number, one fetch later."""
     t0 = time.perf_counter()
+    if pending is not None:
+        res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
     logits = run.net(mfg, _inputs(run, mfg))
     loss = loss_fn(run.task, logits, seed_labels(mfg))
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
-    value = float(loss.detach())
-    check_finite(value, run.net, run.ddp, epoch, res.batches, num_batches)
-    if run.cfg.grad_clip > 0:
-        norm = clip_gradients(run.net, run.cfg.grad_clip)
-        res.grad_norm_max = max(res.grad_norm_max, norm)
-        res.clipped_steps += norm > run.cfg.grad_clip
-    run.opt.step()
-    if run.emb is not None:
-        run.emb.step()
-    res.loss_sum += value
+    queued = None
+    if defers_loss_read(run):
+        bad = guarded_step(run.opt, run.net.parameters(), loss)
+        queued = PendingStep(loss.detach(), bad, res.batches)
+    else:
+        value = float(loss.detach())
+        check_finite(value, run.net, run.ddp, epoch, res.batches, num_batches)
+        if run.cfg.grad_clip > 0:
+            norm = clip_gradients(run.net, run.cfg.grad_clip)
+            res.grad_norm_max = max(res.grad_norm_max, norm)
+            res.clipped_steps += norm > run.cfg.grad_clip
+        run.opt.step()
+        if run.emb is not None:
+            run.emb.step()
+        res.loss_sum += value
     res.batches += 1
     res.compute_s += time.perf_counter() - t0
+    return queued
 
 
 def train_epoch(run: Run, epoch: int) -> EpochResult:
@@ -441,9 +491,14 @@ def train_epoch(run: Run, epoch: int) -> EpochResult:
     loader.set_epoch(epoch)
     res = EpochResult()
     num_batches = len(loader)
+    pending = None
     for _, _, mfg in _batches(loader, run.show, desc=f"epoch {epoch}"):
-        _step(run, mfg, res, epoch, num_batches)
+        pending = _step(run, mfg, res, epoch, num_batches, pending)
         del mfg  # its ring slot is free again before the loader sends the next requests
+    if pending is not None:  # the last step's loss
+        t0 = time.perf_counter()
+        res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
+        res.compute_s += time.perf_counter() - t0
     return res
 
 
