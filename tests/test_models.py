@@ -335,6 +335,31 @@ def test_the_guard_flags_a_non_finite_loss_with_finite_gradients():
     assert not torch.equal(w.detach(), torch.ones(3))
 
 
+@pytest.mark.parametrize("kernel", ["multi-tensor", "sums"])
+def test_the_non_finite_flag_sees_any_nan_or_inf_entry(kernel, monkeypatch):
+    """Both ways of computing the flag: the multi-tensor check, and one sum per parameter
+    where a torch has no such kernel for the device."""
+    from trainer_client.models import non_finite_flag
+
+    if kernel == "sums":
+        def missing(*args):
+            raise NotImplementedError("no kernel for this device")
+        monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
+    ws = [torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(4))]
+    for w in ws:
+        w.grad = torch.ones_like(w)
+    finite = torch.tensor(0.25)
+    assert float(non_finite_flag(ws, finite)) == 0.0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        ws[1].grad[2] = bad
+        assert float(non_finite_flag(ws, finite)) == 1.0
+        ws[1].grad[2] = 1.0
+        assert float(non_finite_flag(ws, torch.tensor(bad))) == 1.0
+    ws[0].grad[1, 1] = float("nan")
+    assert float(non_finite_flag(ws, torch.tensor(float("nan")))) == 1.0  # 1, never 2
+    assert torch.equal(ws[1].grad, torch.ones(4))  # the check leaves finite gradients as they are
+
+
 def test_the_trainers_optimizer_falls_back_where_torch_refuses_the_fused_kernel(monkeypatch):
     real = torch.optim.Adam
 
