@@ -8,7 +8,8 @@ writes into ``RUN_DIR/plots`` (or ``--out DIR``):
 * ``accuracy.png``: validation and test accuracy of the evaluated epochs;
 * ``throughput.png``: training seeds per second per epoch;
 * ``stages.png``: per-stage seconds per epoch, stacked, in two panels: the trainer's own
-  stages (they add up to most of the epoch) and the request path (server stages and the
+  stages (they add up to most of the epoch; ``loss_read_s``, a part of ``forward_backward_s``,
+  and ``h2d_copy_s``, time on the device's copy stream, are not stacked) and the request path (server stages and the
   wire: overlapped with training by prefetch, so they do not add to the epoch's time).
 
 The last stdout line is JSON naming the files. A run still training can be plotted: a last
@@ -230,11 +231,16 @@ def _overlapped(stage: str) -> bool:
     return stage.startswith("server_") or stage == "wire_s"
 
 
+# Stages that are no host time of their own: loss_read_s is a part of forward_backward_s,
+# h2d_copy_s the copies' time on the device's copy stream.
+_NOT_STACKED = frozenset({"loss_read_s", "h2d_copy_s"})
+
+
 def _draw_stages(records: list[dict[str, Any]]) -> Any:
     import matplotlib.pyplot as plt
 
     names = sorted({k for r in records for k in r.get("stages_s", {})
-                    if not k.endswith("total_s")})
+                    if not k.endswith("total_s") and k not in _NOT_STACKED})
     fig, (own, path) = plt.subplots(1, 2, figsize=(11, 4))
     _stack(own, records, [n for n in names if not _overlapped(n)],
            "trainer stages (add up to the epoch)")

@@ -96,8 +96,10 @@ class LoaderStats:
         """Add one reply's server timings (an MFG reply's ``timings``, by name)."""
         self.server.add(RequestTimings.from_wire(timings))
 
-    def stage_seconds(self, compute_s: float) -> dict[str, float]:
-        """The summary's ``stages_s`` (this trainer's share; README documents the names)."""
+    def stage_seconds(self, compute_s: float, loss_read_s: float = 0.0) -> dict[str, float]:
+        """The summary's ``stages_s`` (this trainer's share; README documents the names).
+        ``loss_read_s`` is the part of ``compute_s`` spent reading the steps' losses (on a
+        GPU: the host waiting for the device to finish a step; about 0 on the CPU)."""
         s = self.server
         return {"server_sample_s": s.sample_s, "server_gather_s": s.gather_s,
                 "server_remote_s": s.remote_s, "server_encode_s": s.encode_s,
@@ -105,7 +107,7 @@ class LoaderStats:
                 "wire_s": self.wire_s, "decode_s": self.decode_s,
                 "trainer_wait_s": self.wait_s, "h2d_s": self.h2d_s,
                 "h2d_wait_s": self.h2d_wait_s, "h2d_copy_s": self.h2d_copy_s,
-                "forward_backward_s": compute_s}
+                "forward_backward_s": compute_s, "loss_read_s": loss_read_s}
 
 
 def hidden_share(issue_s: float, wait_s: float, copy_s: float) -> float | None:

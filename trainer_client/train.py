@@ -355,6 +355,7 @@ class FitState:
     start_epoch: int = 0
     train_s: float = 0.0
     compute_s: float = 0.0
+    loss_read_s: float = 0.0
 
 
 @dataclass
@@ -362,6 +363,7 @@ class EpochResult:
     loss_sum: float = 0.0
     batches: int = 0
     compute_s: float = 0.0
+    loss_read_s: float = 0.0  # part of compute_s: reading the losses (on a GPU, waiting)
     grad_norm_max: float = 0.0  # before clipping (--grad-clip only)
     clipped_steps: int = 0
 
@@ -460,6 +462,7 @@ def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int,
     t0 = time.perf_counter()
     if pending is not None:
         res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
+        res.loss_read_s += time.perf_counter() - t0
     logits = run.net(mfg, _inputs(run, mfg))
     loss = loss_fn(run.task, logits, seed_labels(mfg))
     run.opt.zero_grad(set_to_none=True)
@@ -469,7 +472,9 @@ def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int,
         bad = guarded_step(run.opt, run.net.parameters(), loss)
         queued = PendingStep(loss.detach(), bad, res.batches)
     else:
+        t1 = time.perf_counter()
         value = float(loss.detach())
+        res.loss_read_s += time.perf_counter() - t1
         check_finite(value, run.net, run.ddp, epoch, res.batches, num_batches)
         if run.cfg.grad_clip > 0:
             norm = clip_gradients(run.net, run.cfg.grad_clip)
@@ -499,6 +504,7 @@ def train_epoch(run: Run, epoch: int) -> EpochResult:
         t0 = time.perf_counter()
         res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
         res.compute_s += time.perf_counter() - t0
+        res.loss_read_s += time.perf_counter() - t0
     return res
 
 
@@ -507,7 +513,7 @@ def _counters(run: Run, fit: FitState) -> list[float]:
     st = run.train_loader.stats
     cache_rows = run.cache.rows_served if run.cache is not None else 0
     return [st.seeds, run.pool.bytes_received, cache_rows,
-            *st.stage_seconds(fit.compute_s).values()]
+            *st.stage_seconds(fit.compute_s, fit.loss_read_s).values()]
 
 
 def _epoch_totals(run: Run, fit: FitState, before: list[float], epoch_s: float,
@@ -579,6 +585,7 @@ def _run_epoch(run: Run, fit: FitState, epoch: int) -> dict:
     epoch_s = time.perf_counter() - t0
     fit.train_s += epoch_s
     fit.compute_s += res.compute_s
+    fit.loss_read_s += res.loss_read_s
     record.update(_epoch_totals(run, fit, before, epoch_s, res))
     if epoch == cfg.epochs - 1 or (cfg.eval_every and (epoch + 1) % cfg.eval_every == 0):
         _evaluate_epoch(run, fit, epoch, record)
@@ -831,7 +838,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
     cfg, ddp, device, pool, st = run.cfg, run.ddp, run.device, run.pool, run.train_loader.stats
     seeds_total, train_s_sum = _all_sum([st.seeds, fit.train_s], ddp, device)
     mean_train_s = train_s_sum / ddp.world_size
-    local = st.stage_seconds(fit.compute_s)
+    local = st.stage_seconds(fit.compute_s, fit.loss_read_s)
     stages = {name: round(v, 4)
               for name, v in zip(local, _all_sum(list(local.values()), ddp, device))}
     remote_requests, remote_bytes = _all_sum(
