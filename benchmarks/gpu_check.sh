@@ -3,7 +3,8 @@
 # "GPU"): the CUDA tests, then benchmarks.run --device cuda on both graph families (the seed
 # model end to end against DGL's GPU recipe, with the share of the host-to-device copy hidden
 # behind compute), the dropout row, the trainer's feature cache on the GPU and the trainer
-# with 2 torch threads (about 8 minutes on an H200 machine, most important first: a device
+# with 2 torch threads, then a profile of the GPU trainer's step (about 9 minutes on an H200
+# machine, most important first: a device
 # check that runs out of time still brings back its first steps). Each step
 # has its own time limit and the script goes on after a failed one; each step's JSON summary
 # goes to OUT/<step>.json, the log to OUT/log.txt.
@@ -76,4 +77,17 @@ step cache 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY
 #    1 ahead on RMAT, even on products; 16 was 3-4x slower)
 step threads2 120 "$PY" -m benchmarks.run "${COMMON[@]}" --dropout 0 "${WORKER_ONLY[@]}" \
   --num-threads 2
+# 6. where a GPU trainer's step goes: worker mode on the RMAT graph the steps above made,
+#    torch.profiler over 20 steps (--profile-steps; host operators and CUDA kernels), the
+#    table in OUT/profile.txt; the summary's stages_s.loss_read_s says how long the host
+#    waited for the device
+RMAT_PARTS=$(ls -d data/bench/rmat1-*-1part 2>/dev/null | head -1)
+if [ -n "$RMAT_PARTS" ]; then
+  step profile 120 "$PY" -m deploy.worker_mode --parts "$RMAT_PARTS" --device cuda --epochs 1 \
+    --fanouts 15,10,5 --batch-size 1024 --hidden 256 --dropout 0 --max-inflight 8 \
+    --servers-per-part 4 --server-num-workers 3 --profile-steps 20 --checkpoint-every 0 \
+    --work-dir "$OUT/profile-run" --no-progress
+  find "$OUT/profile-run" -name profile.txt -exec cp {} "$OUT/profile.txt" \; 2>/dev/null
+  rm -rf "$OUT/profile-run"
+fi
 say "done"

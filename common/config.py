@@ -258,6 +258,11 @@ class TrainerConfig:
     grad_clip: float = opt(
         0.0, "clip the gradients (averaged over the ranks) to this global L2 norm before each "
         "step; 0: off. metrics.jsonl then records the largest norm seen per epoch")
+    profile_steps: int = opt(
+        0, "profile this many training steps of the run's first epoch with torch.profiler "
+        "(host operators, and CUDA kernels on a GPU), after 5 steps of warm-up; rank 0 writes "
+        "the operators by self time to <run dir>/profile.txt (files.profile in the summary). "
+        "0: off")
     eval: str = opt(
         "sampled", "how validation/test accuracy is measured: sampled (mini-batches with "
         "--eval-fanouts) or full (layer-wise full-neighbour inference over every node)",
@@ -339,7 +344,7 @@ class TrainerConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
                                   f"{getattr(self, name)}")
-        for name in ("patience", "checkpoint_every"):
+        for name in ("patience", "checkpoint_every", "profile_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
                                   f"{getattr(self, name)}")

@@ -52,7 +52,7 @@ TRAINER = TrainerConfig(
     progress=False, summary_out="/s.json", max_message_mb=77, heartbeat_s=0.5,
     heartbeat_timeout_s=3.0, curve_secret_key="/k", replica_suspect_s=4.5, run_dir="/run",
     model="gat", gat_heads=2, patience=3, lr_schedule="step", lr_step_epochs=4, lr_gamma=0.25,
-    grad_clip=1.5, eval="full", checkpoint_dir="/ck", checkpoint_every=2, resume=True,
+    grad_clip=1.5, profile_steps=7, eval="full", checkpoint_dir="/ck", checkpoint_every=2, resume=True,
     deterministic_sampling=False, batch_locality="part")
 # --node-emb-dim with sampled evaluation
 TRAINER_EMB = dataclasses.replace(TRAINER, eval="sampled", node_emb_dim=8, node_emb_lr=0.5)

@@ -76,6 +76,7 @@ def test_early_stopping_counts_evaluations_without_improvement():
     (["--checkpoint-every", "-2"], "--checkpoint-every must be >= 0 (0: off), got -2"),
     (["--lr-step-epochs", "0"], "--lr-step-epochs must be >= 1, got 0"),
     (["--gat-heads", "0"], "--gat-heads must be >= 1, got 0"),
+    (["--profile-steps", "-3"], "--profile-steps must be >= 0 (0: off), got -3"),
 ])
 def test_bad_control_values_are_named(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -96,7 +97,7 @@ def test_unknown_choices_name_the_option_and_the_accepted_values(capsys):
     help_text = build_parser().format_help()
     for option in ("--patience", "--lr-schedule", "--lr-step-epochs", "--lr-gamma",
                    "--grad-clip", "--model", "--gat-heads", "--eval", "--checkpoint-dir",
-                   "--checkpoint-every", "--resume", "--run-dir"):
+                   "--checkpoint-every", "--resume", "--run-dir", "--profile-steps"):
         assert option in help_text
 
 
@@ -186,3 +187,31 @@ def test_reading_the_loss_one_batch_late_trains_exactly_as_reading_it_at_once(
             for d in (late, checked))
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+
+
+@pytest.mark.timeout(300)
+def test_profile_steps_writes_the_profile_of_that_many_steps(synth_parts1, server_factory,
+                                                            tmp_path):
+    """--profile-steps 3: rank 0 writes profile.txt (torch.profiler's operator table of 3
+    steps after 5 of warm-up) into the run directory and names it in the summary; training
+    is otherwise the run it would be. Without the option there is no file and no entry."""
+    server = server_factory(synth_parts1, 0)
+    cluster = cluster_file(tmp_path, {0: [server.endpoint]})
+    runs = {n: tmp_path / n for n in ("profiled", "plain")}
+    procs = [*start_trainers(cluster, ["--epochs", "1", "--profile-steps", "3", "--run-dir",
+                                       runs["profiled"]]),
+             *start_trainers(cluster, ["--epochs", "1", "--run-dir", runs["plain"]])]
+    outs = finish(procs, 240)
+    profiled, plain = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    path = runs["profiled"] / "profile.txt"
+    assert profiled["files"]["profile"] == str(path)
+    text = path.read_text()
+    assert text.startswith("# torch.profiler: 3 training steps from step 5 of the first epoch, "
+                           "device cpu"), text[:300]
+    assert "aten::mm" in text and "_SelfNeighLinear" in text, text[:3000]  # forward, backward
+    assert "profile" not in plain["files"] and not (runs["plain"] / "profile.txt").exists()
+    assert metrics(runs["profiled"])[0]["loss"] == metrics(runs["plain"])[0]["loss"]
+    # no result option: a checkpoint resumes with or without it
+    from trainer_client.checkpoint import result_config
+    assert (result_config(TrainerConfig(cluster="c", profile_steps=3))
+            == result_config(TrainerConfig(cluster="c")))

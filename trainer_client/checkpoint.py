@@ -57,7 +57,8 @@ RUN_ONLY_KEYS = frozenset({
     "cluster", "epochs", "progress", "summary_out", "run_dir", "checkpoint_dir",
     "checkpoint_every", "resume", "request_timeout_s", "heartbeat_s", "heartbeat_timeout_s",
     "curve_secret_key", "replica_suspect_s", "max_message_mb", "max_inflight", "prefetch",
-    "shm_ring", "shm_ring_mb", "num_threads", "device", "eval_batch_size", "malloc_retain_mb"})
+    "shm_ring", "shm_ring_mb", "num_threads", "device", "eval_batch_size", "malloc_retain_mb",
+    "profile_steps"})
 
 
 def result_config(cfg: TrainerConfig) -> dict:

@@ -7,6 +7,7 @@ Layout (paths relative to the run directory)::
     summary.json      the final summary (the JSON line rank 0 prints)
     best_model.pt     the best-validation model (trainer_client.checkpoint.save_best_model)
     checkpoints/      epoch-NNNNNN.pt (trainer_client.checkpoint)
+    profile.txt       with --profile-steps: torch.profiler's table (trainer_client.profiling)
 
 The default name is ``runs/<UTC yyyymmdd-HHMMSS>-<6 hex>`` under the current directory. Under
 DDP every rank must use the same one: rank 0 decides and broadcasts it as bytes in a uint8
@@ -106,6 +107,7 @@ class RunFiles:
         self.metrics = self.dir / "metrics.jsonl"
         self.summary = self.dir / "summary.json"
         self.best_model = self.dir / "best_model.pt"
+        self.profile = self.dir / "profile.txt"  # --profile-steps (trainer_client/profiling.py)
 
     def create(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -140,8 +142,12 @@ class RunFiles:
     def write_summary(self, summary: dict) -> None:
         write_json_atomic(self.summary, summary)
 
-    def files(self, checkpoints: list[str], best_saved: bool) -> dict:
+    def files(self, checkpoints: list[str], best_saved: bool,
+              profiled: bool = False) -> dict:
         """The summary's ``files`` entry (paths as written; the same on every rank)."""
-        return {"config": str(self.config), "metrics": str(self.metrics),
-                "best_model": str(self.best_model) if best_saved else None,
-                "checkpoints": checkpoints, "summary": str(self.summary)}
+        out = {"config": str(self.config), "metrics": str(self.metrics),
+               "best_model": str(self.best_model) if best_saved else None,
+               "checkpoints": checkpoints, "summary": str(self.summary)}
+        if profiled:  # --profile-steps
+            out["profile"] = str(self.profile)
+        return out

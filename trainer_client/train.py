@@ -79,6 +79,7 @@ from trainer_client.metrics import (
 )
 from trainer_client.models import build_model, build_optimizer, guarded_step, supports_guard
 from trainer_client.node_embedding import NodeEmbedding
+from trainer_client.profiling import StepProfiler
 from trainer_client.run_dir import (
     RunFiles,
     broadcast_bytes,
@@ -333,6 +334,7 @@ class Run:
     best_state: dict | None = None  # rank 0: the best model's tensors (for checkpoints)
     show: bool = False
     task: Task = field(default_factory=Task)  # the set's task: loss and metric (metrics.py)
+    profiler: StepProfiler | None = None  # --profile-steps, rank 0 (profiling.py)
 
     @property
     def metric(self) -> str:
@@ -497,14 +499,25 @@ def train_epoch(run: Run, epoch: int) -> EpochResult:
     res = EpochResult()
     num_batches = len(loader)
     pending = None
+    prof = run.profiler if run.profiler is not None and not run.profiler.written else None
+    if prof is not None:
+        prof.epoch_start(num_batches)
+    # (no enumerate: its reused result tuple would keep the last batch, and its ring slot,
+    # alive while the loader sends the next requests)
     for _, _, mfg in _batches(loader, run.show, desc=f"epoch {epoch}"):
+        if prof is not None:
+            prof.before(res.batches)
         pending = _step(run, mfg, res, epoch, num_batches, pending)
         del mfg  # its ring slot is free again before the loader sends the next requests
+        if prof is not None:
+            prof.after()
     if pending is not None:  # the last step's loss
         t0 = time.perf_counter()
         res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
         res.compute_s += time.perf_counter() - t0
         res.loss_read_s += time.perf_counter() - t0
+    if prof is not None:
+        prof.finish()  # a window that ran to the epoch's end
     return res
 
 
@@ -788,7 +801,9 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
                eval_loaders=evals, splits=splits, cache=cache, files=files,
                ckpt=Checkpointer(plan["checkpoint_dir"], cfg.checkpoint_every, ddp.rank == 0),
                emb=_make_embedding(cfg, pool, info, plan["run_dir"]),
-               show=bars_allowed(cfg.progress, ddp.launcher_tty) and ddp.rank == 0, task=task)
+               show=bars_allowed(cfg.progress, ddp.launcher_tty) and ddp.rank == 0, task=task,
+               profiler=(StepProfiler(cfg.profile_steps, device, files.profile)
+                         if cfg.profile_steps > 0 and ddp.rank == 0 else None))
 
 
 def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
@@ -892,7 +907,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
                    if k in ("fanouts", "batch_size", "hidden", "lr", "dropout", "model",
                             "eval")},
         "run_dir": str(run.files.dir),
-        "files": run.files.files(run.ckpt.kept, fit.best["epoch"] >= 0),
+        "files": run.files.files(run.ckpt.kept, fit.best["epoch"] >= 0,
+                                 run.profiler is not None and run.profiler.written),
     }
 
 
