@@ -2,8 +2,8 @@
 
 Rank 0 profiles steps ``[start, start + N)`` of the first epoch it trains, ``start`` being 5
 (the first steps warm the allocator, the ring and the caches) or fewer where the epoch is
-short, and writes the operators by self time to ``<run dir>/profile.txt``: host operators,
-and on a GPU the CUDA kernels too, sorted by their device time. The summary's
+short, and writes the operators by self time to ``<run dir>/profile.txt``: sorted by host
+time, and on a GPU a second table sorted by the time of their CUDA kernels. The summary's
 ``files.profile`` names the file. The profile covers whole steps as the trainer runs them:
 the loss read of the step before (``stages_s.loss_read_s``), forward, backward and the
 optimizer step; the loader's own thread is not in it.
@@ -57,13 +57,15 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        cuda = self.device.type == "cuda"
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=ROWS)
         head = (f"# torch.profiler: {self._count} training steps from step {self._start} of "
-                f"the first epoch, device {self.device}; operators by self "
-                f"{'CUDA' if cuda else 'CPU'} time, the top {ROWS}\n")
+                f"the first epoch, device {self.device}")
+        events = prof.key_averages()
+        text = (f"{head}; operators by self CPU time, the top {ROWS}\n"
+                + events.table(sort_by="self_cpu_time_total", row_limit=ROWS) + "\n")
+        if self.device.type == "cuda":  # the same operators by their kernels' time
+            text += (f"\n# operators by self CUDA time, the top {ROWS}\n"
+                     + events.table(sort_by="self_device_time_total", row_limit=ROWS) + "\n")
         tmp = self.path.with_suffix(".txt.tmp")
-        tmp.write_text(head + table + "\n")
+        tmp.write_text(text)
         tmp.replace(self.path)
         self.written = True
