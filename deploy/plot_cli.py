@@ -9,8 +9,9 @@ writes into ``RUN_DIR/plots`` (or ``--out DIR``):
 * ``throughput.png``: training seeds per second per epoch;
 * ``stages.png``: per-stage seconds per epoch, stacked, in two panels: the trainer's own
   stages (they add up to most of the epoch; ``loss_read_s``, a part of ``forward_backward_s``,
-  and ``h2d_copy_s``, time on the device's copy stream, are not stacked) and the request path (server stages and the
-  wire: overlapped with training by prefetch, so they do not add to the epoch's time).
+  and ``h2d_copy_s``, time on the device's copy stream, are not stacked) and the request
+  path (server stages and the wire: overlapped with training by prefetch, so they do not add
+  to the epoch's time).
 
 The last stdout line is JSON naming the files. A run still training can be plotted: a last
 line without its newline yet (being written) is left out. A resumed run may repeat epochs in

@@ -25,6 +25,7 @@ class StepProfiler:
 
     def __init__(self, steps: int, device: torch.device, path: Path):
         self.steps, self.device, self.path = steps, device, path
+        self._cuda = device.type == "cuda"
         self.written = False
         self._prof: profile | None = None
         self._start = self._count = 0
@@ -36,8 +37,7 @@ class StepProfiler:
     def before(self, batch: int) -> None:
         if self.written or self._prof is not None or batch != self._start:
             return
-        cuda = self.device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
         self._prof = profile(activities=activities)
         self._prof.__enter__()
         self._count = 0
@@ -53,7 +53,7 @@ class StepProfiler:
         """End the window (at its last step, or at the epoch's end) and write the table."""
         if self._prof is None:
             return
-        if self.device.type == "cuda":
+        if self._cuda:
             torch.cuda.synchronize(self.device)
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
@@ -62,7 +62,7 @@ class StepProfiler:
         events = prof.key_averages()
         text = (f"{head}; operators by self CPU time, the top {ROWS}\n"
                 + events.table(sort_by="self_cpu_time_total", row_limit=ROWS) + "\n")
-        if self.device.type == "cuda":  # the same operators by their kernels' time
+        if self._cuda:  # the same operators by their kernels' time
             text += (f"\n# operators by self CUDA time, the top {ROWS}\n"
                      + events.table(sort_by="self_device_time_total", row_limit=ROWS) + "\n")
         tmp = self.path.with_suffix(".txt.tmp")

@@ -451,6 +451,16 @@ def settle(pending: PendingStep, ddp: DDPSetup, epoch: int, num_batches: int) ->
     return value
 
 
+def _settle_into(res: EpochResult, pending: PendingStep, ddp: DDPSetup, epoch: int,
+                 num_batches: int) -> float:
+    """``settle`` a queued step into ``res``: its loss, and the read's time (returned)."""
+    t0 = time.perf_counter()
+    res.loss_sum += settle(pending, ddp, epoch, num_batches)
+    took = time.perf_counter() - t0
+    res.loss_read_s += took
+    return took
+
+
 def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int,
           pending: PendingStep | None = None) -> PendingStep | None:
     """One mini-batch: forward, backward (DDP averages the gradients), checks, clip, step.
@@ -463,8 +473,7 @@ def _step(run: Run, mfg, res: EpochResult, epoch: int, num_batches: int,
     A non-finite step still stops training at that batch's number, one fetch later."""
     t0 = time.perf_counter()
     if pending is not None:
-        res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
-        res.loss_read_s += time.perf_counter() - t0
+        _settle_into(res, pending, run.ddp, epoch, num_batches)
     logits = run.net(mfg, _inputs(run, mfg))
     loss = loss_fn(run.task, logits, seed_labels(mfg))
     run.opt.zero_grad(set_to_none=True)
@@ -499,7 +508,7 @@ def train_epoch(run: Run, epoch: int) -> EpochResult:
     res = EpochResult()
     num_batches = len(loader)
     pending = None
-    prof = run.profiler if run.profiler is not None and not run.profiler.written else None
+    prof = run.profiler  # does nothing once its profile is written
     if prof is not None:
         prof.epoch_start(num_batches)
     # (no enumerate: its reused result tuple would keep the last batch, and its ring slot,
@@ -512,10 +521,7 @@ def train_epoch(run: Run, epoch: int) -> EpochResult:
         if prof is not None:
             prof.after()
     if pending is not None:  # the last step's loss
-        t0 = time.perf_counter()
-        res.loss_sum += settle(pending, run.ddp, epoch, num_batches)
-        res.compute_s += time.perf_counter() - t0
-        res.loss_read_s += time.perf_counter() - t0
+        res.compute_s += _settle_into(res, pending, run.ddp, epoch, num_batches)
     if prof is not None:
         prof.finish()  # a window that ran to the epoch's end
     return res
