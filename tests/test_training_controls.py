@@ -180,9 +180,9 @@ def test_reading_the_loss_one_batch_late_trains_exactly_as_reading_it_at_once(
     ml, mc = metrics(late), metrics(checked)
     assert [m["loss"] for m in ml] == [m["loss"] for m in mc]
     assert "clipped_steps" not in ml[0] and mc[0]["clipped_steps"] == 0
-    for m in ml + mc:  # the time reading the losses is a part of the step's time
-        st = m["stages_s"]
-        assert 0 < st["loss_read_s"] <= st["forward_backward_s"], st
+    for m in ml + mc:  # the time reading the losses is a part of the step's time (stages
+        st = m["stages_s"]  # are rounded to 0.1 ms: a few CPU reads may round to 0)
+        assert 0 <= st["loss_read_s"] <= st["forward_backward_s"], st
     a, b = (torch.load(d / "checkpoints" / "epoch-000002.pt", weights_only=True)
             for d in (late, checked))
     for name in a["model"]:
