@@ -77,7 +77,13 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.models import build_model, build_optimizer, guarded_step, supports_guard
+from trainer_client.models import (
+    build_model,
+    build_optimizer,
+    guarded_step,
+    sums_non_finite,
+    supports_guard,
+)
 from trainer_client.node_embedding import NodeEmbedding
 from trainer_client.profiling import StepProfiler
 from trainer_client.run_dir import (
@@ -254,11 +260,10 @@ def make_pool(cfg: TrainerConfig | InferConfig) -> ServerPool:
 
 
 def _grads_finite(net) -> bool:
-    """Whether every gradient entry is finite, from one sum per parameter: NaN/inf anywhere
-    makes its sum non-finite (a finite sum overflowing float32 counts too: a blow-up all the
-    same). 10x cheaper than ``isfinite(grad).all()``: ~0.1 ms per step for 200k parameters."""
-    sums = [p.grad.sum() for p in net.parameters() if p.grad is not None]
-    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+    """Whether every gradient entry is finite (``sums_non_finite``: ~0.1 ms per step for
+    200k parameters)."""
+    grads = [p.grad for p in net.parameters() if p.grad is not None]
+    return not grads or not bool(sums_non_finite(grads))
 
 
 def check_finite(loss: float, net, ddp: DDPSetup, epoch: int, batch: int,
