@@ -408,6 +408,7 @@ def _ddp_child(cfg: dict) -> int:
     retain_freed_memory(cfg["malloc_retain_mb"], f"DGL DDP rank {cfg['rank']}")
     torch.set_num_threads(cfg["num_threads"])
     dgl.utils.set_num_threads(cfg["num_threads"])
+    torch.set_float32_matmul_precision(cfg.get("matmul_precision", "highest"))
     t0 = time.perf_counter()
     fg = load_full_graph(cfg["parts"])
     load_s = time.perf_counter() - t0
@@ -459,15 +460,17 @@ def train_dgl_ddp(parts_dir: str | Path, fanouts: list[int], batch_size: int, ep
                   max_batches: int | None = None, seed: int = 0, dropout: float = 0.0,
                   lr: float = 3e-3, weight_decay: float = 5e-4,
                   num_threads: int | None = None, timeout_s: float = 1800.0,
-                  malloc_retain_mb: int = DEFAULT_RETAIN_MB) -> dict:
+                  malloc_retain_mb: int = DEFAULT_RETAIN_MB,
+                  matmul_precision: str = "highest") -> dict:
     """DGL's multi-process training on one node: ``nprocs`` processes (subprocesses of this
     one, each loading the graph itself), DistributedDataParallel over gloo, each with
     DataLoader ``use_ddp=True`` (its 1/nprocs of the training seeds) and a batch of
     ``batch_size / nprocs`` seeds, so the total batch per step is ``batch_size``.
 
     ``num_threads`` per process (default: cores / nprocs, as worker-mode gives each of its
-    trainers). Figures as worker-mode's trainer reports them: ``seeds_per_s`` = training
-    seeds over all processes / the processes' mean training time (graph loading excluded).
+    trainers); ``matmul_precision``: each process's ``torch.set_float32_matmul_precision``.
+    Figures as worker-mode's trainer reports them: ``seeds_per_s`` = training seeds over all
+    processes / the processes' mean training time (graph loading excluded).
     Raises RuntimeError naming the process when one exits non-zero or the whole run takes
     longer than ``timeout_s``.
     """
@@ -488,7 +491,8 @@ def train_dgl_ddp(parts_dir: str | Path, fanouts: list[int], batch_size: int, ep
                        "epochs": epochs, "hidden": hidden, "num_workers": num_workers,
                        "max_batches": max_batches, "seed": seed, "dropout": dropout,
                        "lr": lr, "weight_decay": weight_decay, "num_threads": threads,
-                       "timeout_s": timeout_s, "malloc_retain_mb": malloc_retain_mb}
+                       "timeout_s": timeout_s, "malloc_retain_mb": malloc_retain_mb,
+                       "matmul_precision": matmul_precision}
                 with open(errs[r], "w") as err:
                     procs.append(subprocess.Popen(
                         [sys.executable, "-m", "benchmarks.dgl_pipeline", "--ddp-child",

@@ -7,7 +7,10 @@ dropout 0 is the seed tutorial's model: the **headline** row and ratio. Each ``-
 graphs (``products``: the products-shaped synthetic generator; ``rmat``: an RMAT graph with
 skewed degrees, written in OGB's binary layout and read by partition-ogbn) is measured in the
 same run, with its own ratios; ``--parts DIR`` benchmarks one given partition set instead
-(family ``given``).
+(family ``given``). ``--matmul-precision highest,medium`` runs every training row at each
+float32 matmul precision on both sides (``medium``: bfloat16 products on a CPU with AMX);
+a row at ``medium`` (``d0_medium``) is compared with DGL's best at that dropout over
+``medium`` and ``highest``.
 
 Measurements per family, in this order (each can be skipped with ``--skip``):
 
@@ -57,6 +60,7 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.report import (
@@ -70,7 +74,7 @@ from benchmarks.report import (
     machine_info,
     ratio,
 )
-from common.config import PREFETCH_MODES
+from common.config import MATMUL_PRECISIONS, PREFETCH_MODES
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
@@ -88,6 +92,16 @@ def _skip_list(text: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown step(s) {bad}; choose from {', '.join(STEPS)}")
     return names
+
+
+def _precision_list(text: str) -> list[str]:
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in vals if x not in MATMUL_PRECISIONS]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated values of {', '.join(MATMUL_PRECISIONS)}, e.g. "
+            "highest,medium")
+    return list(dict.fromkeys(vals))
 
 
 def _dropout_list(text: str) -> list[float]:
@@ -203,6 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "step/datapath/limits modules (default: each side's default: torch's "
                         "for DGL, cores / trainers for worker-mode and DDP on the CPU, 1 for a "
                         "worker-mode trainer on a GPU)")
+    p.add_argument("--matmul-precision", type=_precision_list, default=["highest"],
+                   help="comma-separated float32 matrix-product precisions "
+                        "(torch.set_float32_matmul_precision), each training row run at each "
+                        "on both sides (DGL in this process, worker mode by its "
+                        "--matmul-precision): highest (default): float32, the seed "
+                        "tutorial's; medium: bfloat16 products on a CPU with AMX / "
+                        "AVX512-BF16; high: TF32 on an NVIDIA GPU. A row at another precision "
+                        "than highest is compared with DGL's best at that dropout over that "
+                        "precision and highest (DGL's shapes change every batch, and oneDNN "
+                        "builds a kernel per shape: bfloat16 can be slower for it). The first "
+                        "value is the precision of the ddp row and the step / datapath / "
+                        "limits modules")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides' models compute: cpu (default), or cuda: worker-mode "
                         "trainers get --device cuda and DGL's side runs its GPU recipe (DGL "
@@ -253,9 +279,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def dlabel(p: float) -> str:
-    """The suffix of a per-dropout result name: ``d0``, ``d0.5``."""
-    return f"d{p:g}"
+def dlabel(p: float, precision: str = "highest") -> str:
+    """The suffix of a per-dropout result name: ``d0``, ``d0.5``; at a matmul precision
+    other than highest, ``d0_medium``."""
+    return f"d{p:g}" if precision == "highest" else f"d{p:g}_{precision}"
+
+
+def variants(args: argparse.Namespace) -> list[tuple[float, str]]:
+    """(dropout, matmul precision) of every end-to-end training row, the headline first."""
+    h = headline_dropout(args.dropout)
+    ps = [h] + [x for x in args.dropout if x != h]
+    return [(p, q) for q in args.matmul_precision for p in ps]
+
+
+@contextmanager
+def matmul_precision(precision: str):
+    """``torch.set_float32_matmul_precision(precision)`` inside the block (DGL's side)."""
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def headline_dropout(dropouts: list[float]) -> float:
@@ -263,8 +310,9 @@ def headline_dropout(dropouts: list[float]) -> float:
     return 0.0 if 0.0 in dropouts else dropouts[0]
 
 
-def row_label(p: float) -> str:
-    return "seed model (no dropout)" if p == 0 else f"dropout {p:g}"
+def row_label(p: float, precision: str = "highest") -> str:
+    label = "seed model (no dropout)" if p == 0 else f"dropout {p:g}"
+    return label if precision == "highest" else f"{label}, matmul {precision}"
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -290,9 +338,12 @@ def synthetic_parts(args: argparse.Namespace) -> Path:
 
 
 def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
-                    num_trainers: int | None = None, batch_size: int | None = None) -> dict:
+                    num_trainers: int | None = None, batch_size: int | None = None,
+                    precision: str | None = None) -> dict:
     """``deploy.worker_mode`` in a subprocess; its last stdout line is the JSON summary.
-    ``batch_size`` is per trainer (default ``--batch-size``)."""
+    ``batch_size`` is per trainer (default ``--batch-size``), ``precision`` its
+    ``--matmul-precision`` (default the first of ``--matmul-precision``)."""
+    precision = precision or args.matmul_precision[0]
     num_trainers = num_trainers or args.num_trainers
     batch_size = batch_size or args.batch_size
     argv = [sys.executable, "-m", "deploy.worker_mode", "--parts", str(parts),
@@ -307,7 +358,8 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
             str(args.worker_sampler_procs), "--no-progress",
             "--shm-ring" if args.shm_ring else "--no-shm-ring",
             "--malloc-retain-mb", str(args.malloc_retain_mb),
-            "--server-malloc-retain-mb", str(args.malloc_retain_mb)]
+            "--server-malloc-retain-mb", str(args.malloc_retain_mb),
+            "--matmul-precision", precision]
     if args.num_threads:
         argv += ["--num-threads", str(args.num_threads)]
     if args.cache_ratio:
@@ -350,7 +402,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     if summary.get("train_s"):
         res["batches_per_s"] = round(batches / summary["train_s"], 3)
         res["mb_per_s"] = round(summary.get("bytes_received", 0) / summary["train_s"] / 1e6, 2)
-    res.update(dropout=dropout, batch_size_per_trainer=batch_size,
+    res.update(dropout=dropout, matmul_precision=precision, batch_size_per_trainer=batch_size,
                total_batch_size=batch_size * num_trainers,
                num_threads_arg=args.num_threads, exit_code=proc.returncode,
                subprocess_wall_s=round(wall, 3))
@@ -424,17 +476,22 @@ def _dgl_warmup(fg, args: argparse.Namespace) -> None:
 
 
 def _dgl_train(steps: Steps, family: str, fg, args: argparse.Namespace, p: float,
-               suffix: str = "") -> None:
-    """DGL training at dropout ``p``, once per ``--dgl-workers`` value."""
+               suffix: str = "", precision: str = "highest") -> None:
+    """DGL training at dropout ``p`` and matmul ``precision``, once per ``--dgl-workers``
+    value."""
     from benchmarks import dgl_pipeline
 
+    def train(w: int) -> dict:
+        with matmul_precision(precision):
+            res = dgl_pipeline.train_dgl(
+                fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
+                num_workers=w, max_batches=args.max_batches, seed=args.seed, dropout=p, lr=LR,
+                weight_decay=WEIGHT_DECAY, num_threads=args.num_threads, device=args.device)
+        return {**res, "matmul_precision": precision}
+
     for w in args.dgl_workers:
-        steps.run(family, f"dgl_train_w{w}_{dlabel(p)}{suffix}",
-                  lambda w=w: dgl_pipeline.train_dgl(
-                      fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
-                      num_workers=w, max_batches=args.max_batches, seed=args.seed,
-                      dropout=p, lr=LR, weight_decay=WEIGHT_DECAY,
-                      num_threads=args.num_threads, device=args.device))
+        steps.run(family, f"dgl_train_w{w}_{dlabel(p, precision)}{suffix}",
+                  lambda w=w: train(w))
 
 
 def measure_dgl(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
@@ -446,8 +503,8 @@ def measure_dgl(steps: Steps, family: str, parts: Path, args: argparse.Namespace
     fg = _load_full_graph(parts)
     if "dgl-train" not in args.skip:
         _dgl_warmup(fg, args)
-        for p in args.dropout:
-            _dgl_train(steps, family, fg, args, p)
+        for p, q in variants(args):
+            _dgl_train(steps, family, fg, args, p, precision=q)
     if "dgl-sample" not in args.skip:
         for w in args.dgl_workers:
             steps.run(family, f"dgl_sample_w{w}", lambda w=w: dgl_pipeline.sample_only_dgl(
@@ -478,13 +535,13 @@ def measure_rounds(steps: Steps, family: str, parts: Path, args: argparse.Namesp
         suffix = f"_r{r}"
         log(f"{family}: round {r} of {args.rounds}, "
             f"{'worker mode' if r % 2 == 0 else 'DGL'} first")
-        for p in args.dropout:
+        for p, q in variants(args):
             for side in (sides[::-1] if r % 2 == 0 else sides):
                 if side == "dgl-train":
-                    _dgl_train(steps, family, fg, args, p, suffix)
+                    _dgl_train(steps, family, fg, args, p, suffix, q)
                 else:
-                    steps.run(family, f"worker_mode_{dlabel(p)}{suffix}",
-                              lambda p=p: run_worker_mode(parts, args, p))
+                    steps.run(family, f"worker_mode_{dlabel(p, q)}{suffix}",
+                              lambda p=p, q=q: run_worker_mode(parts, args, p, precision=q))
     del fg
     gc.collect()
 
@@ -503,9 +560,9 @@ def measure_mfgserve(steps: Steps, family: str, parts: Path, args: argparse.Name
                           inflight=args.inflight, server_workers=args.server_workers,
                           seed=args.seed, shm_ring=args.shm_ring, sampler_procs=n))
     if "worker" not in args.skip:
-        for p in args.dropout:
-            steps.run(family, f"worker_mode_{dlabel(p)}",
-                      lambda p=p: run_worker_mode(parts, args, p))
+        for p, q in variants(args):
+            steps.run(family, f"worker_mode_{dlabel(p, q)}",
+                      lambda p=p, q=q: run_worker_mode(parts, args, p, precision=q))
 
 
 def measure_ddp(steps: Steps, family: str, parts: Path, args: argparse.Namespace) -> None:
@@ -515,12 +572,14 @@ def measure_ddp(steps: Steps, family: str, parts: Path, args: argparse.Namespace
 
     n = args.ddp_procs
     p = headline_dropout(args.dropout)
-    steps.run(family, f"dgl_ddp{n}_{dlabel(p)}", lambda: dgl_pipeline.train_dgl_ddp(
+    q = args.matmul_precision[0]
+    steps.run(family, f"dgl_ddp{n}_{dlabel(p, q)}", lambda: dgl_pipeline.train_dgl_ddp(
         parts, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden, nprocs=n,
         max_batches=args.max_batches, seed=args.seed, dropout=p, lr=LR,
         weight_decay=WEIGHT_DECAY, num_threads=args.num_threads,
-        timeout_s=args.worker_timeout_s, malloc_retain_mb=args.malloc_retain_mb))
-    steps.run(family, f"worker_mode_t{n}_{dlabel(p)}", lambda: run_worker_mode(
+        timeout_s=args.worker_timeout_s, malloc_retain_mb=args.malloc_retain_mb,
+        matmul_precision=args.matmul_precision[0]))
+    steps.run(family, f"worker_mode_t{n}_{dlabel(p, q)}", lambda: run_worker_mode(
         parts, args, p, num_trainers=n, batch_size=args.batch_size // n))
 
 
@@ -570,11 +629,17 @@ def round_suffixes(args: argparse.Namespace) -> list[str]:
     return [""] + [f"_r{r}" for r in range(2, args.rounds + 1)]
 
 
+def dgl_names(args: argparse.Namespace, d: str, sfx: str = "") -> list[str]:
+    """DGL's runs a row at label ``d`` is compared with: each ``--dgl-workers`` value, at
+    the row's precision and, for a row at another precision, at highest too (DGL's best)."""
+    labels = [d] if "_" not in d else [d, d.split("_", 1)[0]]
+    return [f"dgl_train_w{w}_{x}{sfx}" for x in labels for w in args.dgl_workers]
+
+
 def _round_sides(results: dict, args: argparse.Namespace, d: str, sfx: str
                  ) -> tuple[float | None, float | None]:
-    """(DGL's best seeds/s, worker mode's seeds/s) of one round at dropout label ``d``."""
-    _, base = _best(results, [f"dgl_train_w{w}_{d}{sfx}" for w in args.dgl_workers],
-                    "seeds_per_s")
+    """(DGL's best seeds/s, worker mode's seeds/s) of one round at label ``d``."""
+    _, base = _best(results, dgl_names(args, d, sfx), "seeds_per_s")
     return base, _seeds(results, f"worker_mode_{d}{sfx}")
 
 
@@ -600,24 +665,24 @@ def compute_ratios(results: dict, args: argparse.Namespace,
                    module_results: list[str] = ()) -> dict:
     """One family's ratios (mfgserve / DGL)."""
     ratios: dict = {}
-    for p in args.dropout:
-        d = dlabel(p)
-        dgl_names = [f"dgl_train_w{w}_{d}" for w in args.dgl_workers]
-        base_key, _ = _best(results, dgl_names, "seeds_per_s")  # round 1's best
+    for p, q in variants(args):
+        d = dlabel(p, q)
+        names = dgl_names(args, d)
+        base_key, _ = _best(results, names, "seeds_per_s")  # round 1's best
         wm = _seeds(results, f"worker_mode_{d}")
         per_round = round_ratios(results, args, d)
         ratios[f"train_seeds_per_s_{d}"] = (round(statistics.median(per_round), 3)
                                             if per_round else None)
         ratios[f"train_seeds_per_s_{d}_rounds"] = per_round
         ratios[f"train_baseline_{d}"] = base_key
-        for k in dgl_names:
+        for k in names:
             if _seeds(results, k):
                 ratios[f"train_seeds_per_s_{d}_vs_{k}"] = ratio(wm, _seeds(results, k))
         dgl_acc = results.get(base_key, {}).get("test_acc") if base_key else None
         wm_acc = results.get(f"worker_mode_{d}", {}).get("test_acc")
         if dgl_acc is not None and wm_acc is not None:
             ratios[f"test_acc_diff_{d}"] = round(wm_acc - dgl_acc, 4)  # mfgserve minus DGL
-    n, d = args.ddp_procs, dlabel(headline_dropout(args.dropout))
+    n, d = args.ddp_procs, dlabel(headline_dropout(args.dropout), args.matmul_precision[0])
     ratios[f"ddp_seeds_per_s_{d}"] = ratio(_seeds(results, f"worker_mode_t{n}_{d}"),
                                            _seeds(results, f"dgl_ddp{n}_{d}"))
     sample_names = [f"dgl_sample_w{w}" for w in args.dgl_workers]
@@ -654,17 +719,19 @@ def _family_rows(family: str, res: dict, r: dict, args: argparse.Namespace,
                  h: float) -> list[dict]:
     """One family's rows: each dropout (the headline first), then the DDP row."""
     rows = []
-    for p in [h] + [x for x in args.dropout if x != h]:
-        d = dlabel(p)
+    for p, q in variants(args):
+        d = dlabel(p, q)
         base = r.get(f"train_baseline_{d}")
-        rows.append({"family": family, "label": row_label(p), "dropout": p, "trainers": 1,
+        rows.append({"family": family, "label": row_label(p, q), "dropout": p,
+                     "matmul_precision": q, "trainers": 1,
                      "dgl": base, "dgl_seeds_per_s": _median_seeds(res, args, d, 0),
                      "mfgserve": f"worker_mode_{d}",
                      "mfgserve_seeds_per_s": _median_seeds(res, args, d, 1),
                      "ratio": r.get(f"train_seeds_per_s_{d}"),
                      "rounds": r.get(f"train_seeds_per_s_{d}_rounds") or []})
-    n, d = args.ddp_procs, dlabel(h)
-    rows.append({"family": family, "label": f"{row_label(h)}, {n} trainers", "dropout": h,
+    q = args.matmul_precision[0]
+    n, d = args.ddp_procs, dlabel(h, q)
+    rows.append({"family": family, "label": f"{row_label(h, q)}, {n} trainers", "dropout": h,
                  "trainers": n, "dgl": f"dgl_ddp{n}_{d}",
                  "dgl_seeds_per_s": _seeds(res, f"dgl_ddp{n}_{d}"),
                  "mfgserve": f"worker_mode_t{n}_{d}",
@@ -694,7 +761,8 @@ def print_table(summary: dict) -> None:
     out = [f"\nmachine: {m['cores']} cores, {m['ram_gb']} GB, torch {m['torch']}, dgl {m['dgl']}, "
            f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}; "
            f"fanouts {c['fanouts']}, batch {c['batch_size']}, hidden {c['hidden']}, "
-           f"threads {c['num_threads'] or 'default'}"]
+           f"threads {c['num_threads'] or 'default'}, "
+           f"matmul precision {c.get('matmul_precision', 'highest')}"]
     rounds = c.get("rounds", 1)
     head = ("end to end, training seeds/s", "DGL best", "mfgserve", "ratio")
     if rounds > 1:
@@ -770,6 +838,7 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "sample_batches": sample_batches, "dgl_workers": args.dgl_workers,
             "num_trainers": args.num_trainers, "ddp_procs": args.ddp_procs,
             "num_threads": args.num_threads, "device": args.device,
+            "matmul_precision": args.matmul_precision,
             "worker_servers": args.worker_servers, "server_workers": args.server_workers,
             "inflight": args.inflight, "prefetch": args.prefetch, "seed": args.seed,
             "skip": args.skip,
@@ -819,6 +888,10 @@ def measure_family(steps: Steps, family: str, parts: Path, args: argparse.Namesp
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     apply_malloc(args.malloc_retain_mb)  # DGL's side and the in-process steps; mfgserve's by flag
+    import torch
+
+    # DGL's runs set theirs per row; the ddp row and the step modules run at the first
+    torch.set_float32_matmul_precision(args.matmul_precision[0])
     warnings.filterwarnings("ignore", message=".*CPU affinity.*")
     t_start = time.perf_counter()
     machine = machine_info()
@@ -855,11 +928,11 @@ def main(argv: list[str] | None = None) -> int:
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     ratios = {f: compute_ratios(steps.results.get(f, {}), args, steps.module_results.get(f, []))
               for f in families if f in graphs}
-    h = headline_dropout(args.dropout)
-    headline = {"label": row_label(h), "dropout": h,
-                "train_seeds_per_s": {f: r.get(f"train_seeds_per_s_{dlabel(h)}")
+    h, q = headline_dropout(args.dropout), args.matmul_precision[0]
+    headline = {"label": row_label(h, q), "dropout": h, "matmul_precision": q,
+                "train_seeds_per_s": {f: r.get(f"train_seeds_per_s_{dlabel(h, q)}")
                                       for f, r in ratios.items()},
-                "ddp_seeds_per_s": {f: r.get(f"ddp_seeds_per_s_{dlabel(h)}")
+                "ddp_seeds_per_s": {f: r.get(f"ddp_seeds_per_s_{dlabel(h, q)}")
                                     for f, r in ratios.items()}}
     summary = {"machine": machine, "config": run_config(args, families, sample_batches),
                "families": families, "graphs": graphs,

@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="add a torch.profiler table of one step per side, ROWS rows (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"],
+                   default="highest", help="torch.set_float32_matmul_precision for both sides "
+                   "(highest: float32; medium: bfloat16 products on a CPU with AMX / "
+                   "AVX512-BF16). The batches repeat, so DGL's shapes repeat too: oneDNN's "
+                   "per-shape kernel builds, which a training run pays on every new batch "
+                   "without mfgserve's row buckets, are not in DGL's figure")
     add_malloc_arg(p)
     return p
 
@@ -195,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     apply_malloc(args.malloc_retain_mb)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     try:
         fanouts = [int(x) for x in args.fanouts.split(",") if x.strip()]
     except ValueError:

@@ -155,6 +155,17 @@ class ServerConfig:
             raise ConfigError("--curve-secret-key and --curve-authorized-keys go together")
 
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+MATMUL_PRECISION_HELP = (
+    "precision of the model's float32 matrix products (torch.set_float32_matmul_precision): "
+    "highest multiplies in float32 (as DGL's pipeline does by default); high lets an NVIDIA "
+    "GPU (Ampere or later) use TF32 and changes nothing on a CPU; medium also lets a CPU with "
+    "bfloat16 instructions (AMX or AVX512-BF16: Intel Sapphire Rapids, AMD Zen 4 and later) "
+    "multiply in bfloat16 with float32 sums, the seed model's step about 1.7x faster on such "
+    "a CPU (docs/tuning.md). Not float32's results: each product is off by about 3e-3 of its "
+    "size, and a run's losses and accuracy move by what two seeds would")
+
+
 @dataclass
 class TrainerConfig:
     """One trainer process (a DDP rank): model, optimisation, and how it talks to servers."""
@@ -220,6 +231,7 @@ class TrainerConfig:
         "(its host work gains nothing from more, and several GPU trainers on a node would "
         "each start a team as wide as the machine). worker-mode sets cores / trainers on the "
         "CPU so co-located processes do not oversubscribe it, and 1 on a GPU")
+    matmul_precision: str = opt("highest", MATMUL_PRECISION_HELP, choices=MATMUL_PRECISIONS)
     malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
@@ -322,6 +334,9 @@ class TrainerConfig:
                               f"{self.feat_transfer!r}")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(f"--matmul-precision must be one of {', '.join(MATMUL_PRECISIONS)}"
+                              f", got {self.matmul_precision!r}")
         check_retain_mb(self.malloc_retain_mb)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")

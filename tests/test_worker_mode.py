@@ -83,6 +83,27 @@ def test_accuracy_with_partitions(dataset, bar, num_parts, request, tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path):
+    """``--matmul-precision medium`` (bfloat16 products on a CPU with AMX / AVX512-BF16,
+    the layers' rows bucketed for oneDNN's kernel cache; float32 elsewhere): each trainer
+    applies it, and Cora still reaches the float32 bar."""
+    from trainer_client.model import cpu_multiplies_bf16
+
+    parts = tmp_path / "cora-parts"
+    run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 2, "--out", parts],
+            timeout=300)
+    proc = _worker(["--parts", str(parts), *SETTINGS, "--matmul-precision", "medium"],
+                   tmp_path, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = _summary(proc.stdout)
+    assert summary["matmul_precision"] == "medium"
+    assert summary["gemm_row_buckets"] == (torch.backends.mkldnn.is_available()
+                                           and cpu_multiplies_bf16())
+    assert summary["test_acc"] >= 0.78, summary
+    _assert_clean(tmp_path, str(parts))
+
+
+@pytest.mark.timeout(600)
 def test_citeseer_partitioned_on_the_fly(citeseer_dir, tmp_path):
     work = tmp_path / "work"
     proc = _worker(["--dataset-dir", str(citeseer_dir), "--num-parts", "2", "--work-dir",

@@ -39,41 +39,113 @@ class _MeanAggregate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, block: Block, with_dst: bool):
-        ctx.block = block
+    def forward(ctx, x: Tensor, block: Block, with_dst: bool, rows: int):
+        ctx.block, ctx.x_rows = block, x.shape[0]
+        num_dst = block.num_dst_nodes()
         idx, off, w = block.mean_bags(x.dtype)
-        agg = F.embedding_bag(idx, x, off, mode="sum", per_sample_weights=w,
-                              include_last_offset=True)
+        agg = F.embedding_bag(idx, x, _pad_offsets(off, rows - num_dst), mode="sum",
+                              per_sample_weights=w, include_last_offset=True)
         if not with_dst:
             return agg
-        return agg, x[: block.num_dst_nodes()].clone()
+        if rows == num_dst:
+            return agg, x[:num_dst].clone()
+        dst = x.new_empty((rows, x.shape[1]))
+        dst[:num_dst] = x[:num_dst]
+        dst[num_dst:] = 0
+        return agg, dst
 
     @staticmethod
     def backward(ctx, grad_agg: Tensor, grad_dst: Tensor | None = None):
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        idx, off, w = ctx.block.mean_bags_t(grad_agg.dtype)
-        grad = F.embedding_bag(idx, grad_agg.contiguous(), off, mode="sum",
-                               per_sample_weights=w, include_last_offset=True)
+            return None, None, None, None
+        block = ctx.block
+        idx, off, w = block.mean_bags_t(grad_agg.dtype)
+        grad = F.embedding_bag(idx, grad_agg.contiguous(),
+                               _pad_offsets(off, ctx.x_rows - block.num_src_nodes()),
+                               mode="sum", per_sample_weights=w, include_last_offset=True)
         if grad_dst is not None:
-            grad[: grad_dst.shape[0]] += grad_dst
-        return grad, None, None
+            num_dst = block.num_dst_nodes()
+            grad[:num_dst] += grad_dst[:num_dst]
+        return grad, None, None, None
 
 
-def mean_aggregate(block: Block, h_src: Tensor) -> Tensor:
-    """Mean of each destination's sampled in-neighbours' rows of ``h_src`` (0 if none)."""
+def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
+    """``offsets`` (``include_last_offset``) with ``extra`` empty bags appended: their rows
+    of the ``embedding_bag`` are zeros."""
+    if extra <= 0:
+        return offsets
+    return torch.cat([offsets, offsets[-1:].expand(extra)])
+
+
+_BF16_GEMM: bool | None = None  # whether this CPU multiplies bfloat16 natively (AMX/AVX512)
+
+
+def gemm_rows(num_rows: int, device: torch.device) -> int:
+    """Rows to give a layer's GEMM operands of ``num_rows`` rows: ``num_rows`` itself, or,
+    where torch multiplies float32 through oneDNN in bfloat16 (``--matmul-precision medium``
+    on a CPU with AMX or AVX512-BF16), the next multiple of a step of 1/16 to 1/32 of it.
+
+    oneDNN builds (JIT-compiles) a kernel for every new GEMM shape, 5-10 ms each on this
+    2-core machine, while a sampled block's row count changes every batch: with exact shapes
+    every GEMM of a step would pay that and run slower than float32. Bucketed shapes repeat
+    and hit oneDNN's primitive cache. The extra rows are zeros (or rows no one reads) going
+    forward and carry zero gradients back (see :class:`SAGEConv`), so the function and the
+    gradients are the same. MKL's float32 GEMM has no such cost: at the default precision
+    nothing is padded."""
+    global _BF16_GEMM
+    if device.type != "cpu" or torch.get_float32_matmul_precision() != "medium":
+        return num_rows
+    if _BF16_GEMM is None:
+        _BF16_GEMM = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()
+    if not _BF16_GEMM:
+        return num_rows
+    step = 1 << max(6, num_rows.bit_length() - 5)
+    return max(step, -(-num_rows // step) * step)
+
+
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bfloat16 multiply instructions (AMX or AVX512-BF16: Intel
+    Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later), as Linux's
+    /proc/cpuinfo lists them; False where that file is not there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def mean_aggregate(block: Block, h_src: Tensor, rows: int | None = None) -> Tensor:
+    """Mean of each destination's sampled in-neighbours' rows of ``h_src`` (0 if none);
+    ``rows`` (>= num_dst) pads the result with zero rows."""
+    num_dst = block.num_dst_nodes()
+    rows = num_dst if rows is None else rows
     if block.num_edges() == 0:
-        return h_src.new_zeros((block.num_dst_nodes(), h_src.shape[1]))
-    return _MeanAggregate.apply(h_src, block, False)
+        return h_src.new_zeros((rows, h_src.shape[1]))
+    return _MeanAggregate.apply(h_src, block, False, rows)
 
 
-def mean_and_self(block: Block, h_src: Tensor) -> tuple[Tensor, Tensor]:
+def _leading_rows(h_src: Tensor, num_dst: int, rows: int) -> Tensor:
+    """``h_src[:rows]`` (a view), or ``h_src[:num_dst]`` padded with zero rows where
+    ``h_src`` has fewer than ``rows`` rows."""
+    if h_src.shape[0] >= rows:
+        return h_src[:rows]
+    return F.pad(h_src[:num_dst], (0, 0, 0, rows - num_dst))
+
+
+def mean_and_self(block: Block, h_src: Tensor,
+                  rows: int | None = None) -> tuple[Tensor, Tensor]:
     """``(mean_aggregate(block, h_src), h_src[:num_dst])`` with one gradient for ``h_src``
-    (see :class:`_MeanAggregate`); a plain slice when ``h_src`` needs no gradient."""
-    h_dst = h_src[: block.num_dst_nodes()]
+    (see :class:`_MeanAggregate`); a plain slice when ``h_src`` needs no gradient. ``rows``
+    (>= num_dst) pads both to that many rows (:func:`gemm_rows`)."""
+    num_dst = block.num_dst_nodes()
+    rows = num_dst if rows is None else rows
     if block.num_edges() == 0 or not (h_src.requires_grad and torch.is_grad_enabled()):
-        return mean_aggregate(block, h_src), h_dst
-    return _MeanAggregate.apply(h_src, block, True)
+        return mean_aggregate(block, h_src, rows), _leading_rows(h_src, num_dst, rows)
+    return _MeanAggregate.apply(h_src, block, True, rows)
 
 
 def project_first(block: Block, in_feats: int, out_feats: int) -> bool:
@@ -137,10 +209,16 @@ class SAGEConv(nn.Module):
         nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
 
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
+        """``[rows, out]``: the block's destinations first; ``rows`` is ``num_dst`` or
+        :func:`gemm_rows`'s bucket (the rows after ``num_dst`` are read by no one, and their
+        gradients are zeros: the layer above pads its gradient with empty bags and the
+        model's output is sliced to the seeds, see :meth:`LayerwiseGNN.forward`)."""
+        num_dst = block.num_dst_nodes()
+        rows = gemm_rows(num_dst, h_src.device)
         if project_first(block, self.in_feats, self.out_feats):
-            h_neigh = mean_aggregate(block, self.fc_neigh(h_src))
-            return self.fc_self(h_src[: block.num_dst_nodes()]) + h_neigh
-        h_neigh, h_dst = mean_and_self(block, h_src)
+            h_neigh = mean_aggregate(block, self.fc_neigh(h_src), rows)
+            return self.fc_self(_leading_rows(h_src, num_dst, rows)) + h_neigh
+        h_neigh, h_dst = mean_and_self(block, h_src, rows)
         return _SelfNeighLinear.apply(h_dst, h_neigh, self.fc_self.weight,
                                       self.fc_neigh.weight, self.fc_self.bias)
 
@@ -237,11 +315,14 @@ class LayerwiseGNN(nn.Module):
             return _ReluDropout.apply(h, d.p)
         return d(F.relu(h, inplace=self.inplace_relu))
 
-    def forward(self, blocks, x: Tensor) -> Tensor:
+    def _check_blocks(self, blocks) -> None:
         if len(blocks) != len(self.layers):
             raise ValueError(f"{type(self).__name__} has {len(self.layers)} layers but got "
                              f"{len(blocks)} blocks: sample one block per layer (as many "
                              "fanouts as layers)")
+
+    def forward(self, blocks, x: Tensor) -> Tensor:
+        self._check_blocks(blocks)
         h = x
         for i, block in enumerate(blocks):
             h = self.forward_layer(i, block, h)
@@ -262,3 +343,17 @@ class GraphSAGE(LayerwiseGNN):
                  dropout: float = 0.5):
         dims = layer_dims(in_feats, hidden, num_classes, num_layers)
         super().__init__([SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:])], dropout)
+
+    # A SAGEConv's output may have rows after num_dst (gemm_rows): the layers pass them on
+    # (the next layer reads none of them, and their gradients are zeros); what leaves the
+    # model is sliced to the destinations.
+
+    def forward_layer(self, i: int, block: Block, h: Tensor) -> Tensor:
+        return super().forward_layer(i, block, h)[: block.num_dst_nodes()]
+
+    def forward(self, blocks, x: Tensor) -> Tensor:
+        self._check_blocks(blocks)
+        h = x
+        for i, block in enumerate(blocks):
+            h = LayerwiseGNN.forward_layer(self, i, block, h)
+        return h[: blocks[-1].num_dst_nodes()]

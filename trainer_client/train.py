@@ -77,6 +77,7 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
+from trainer_client.model import gemm_rows
 from trainer_client.models import (
     build_model,
     build_optimizer,
@@ -231,6 +232,7 @@ def _init_ddp(cfg: TrainerConfig, ddp: DDPSetup) -> torch.device:
     device = pick_device(cfg, ddp.local_rank)
     if cfg.num_threads or device.type == "cuda":
         torch.set_num_threads(cfg.num_threads or GPU_TRAINER_THREADS)
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
     if ddp.world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -907,6 +909,10 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         # OpenMP's wait policy for this rank's torch threads (worker mode chooses it per
         # role, deploy/worker_mode.py's child_env); "default": not set, libgomp's own
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
+        # --matmul-precision as it took effect, and whether the layers' rows were bucketed
+        # for it (trainer_client/model.py's gemm_rows: bfloat16 products on this CPU)
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "gemm_row_buckets": gemm_rows(1000, device) != 1000,
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
                      "bursts": run.train_loader.stats.bursts},

@@ -1,0 +1,123 @@
+"""Bucketed GEMM rows (trainer_client.model.gemm_rows, ``--matmul-precision medium``): the
+model computes the same function and the same gradients with its layers' rows padded as
+without; the buckets; the precision in a process of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.test_model import random_block
+from trainer_client import model as model_mod
+from trainer_client.model import GraphSAGE, SAGEConv, gemm_rows
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _bucket(n: int, device) -> int:
+    """What gemm_rows gives where bucketing is on (forced here at float32 precision, so
+    both runs below multiply alike and only the padding differs)."""
+    step = 1 << max(6, n.bit_length() - 5)
+    return max(step, -(-n // step) * step)
+
+
+def _blocks(sizes: list[int], max_deg: int, seed: int):
+    """One block per layer, sources then destinations shrinking: sizes[0] input rows."""
+    return [random_block(a, b, max_deg, seed + i) for i, (a, b) in
+            enumerate(zip(sizes[:-1], sizes[1:]))]
+
+
+def _run(model, blocks, x, labels, seed: int):
+    torch.manual_seed(seed)  # the same dropout draws... only where the shapes are equal
+    model.zero_grad()
+    out = model(blocks, x)
+    loss = torch.nn.functional.cross_entropy(out, labels)
+    loss.backward()
+    return out.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("sizes,in_feats,hidden,classes", [
+    ([3000, 700, 130, 33], 24, 32, 7),       # aggregate first in every layer
+    ([500, 480, 470, 400], 40, 16, 5),      # few sources more than destinations: project
+                                            # first where in > out, pads past num_src
+    ([300, 90, 0 + 64, 64], 8, 8, 3),       # bucket == num_dst already
+    ([200, 150, 70, 20], 8, 8, 3),          # small blocks: padded up to 64 rows
+])
+def test_padded_rows_give_the_same_outputs_and_gradients(monkeypatch, sizes, in_feats, hidden,
+                                                         classes):
+    blocks = _blocks(sizes, max_deg=7, seed=sizes[0])
+    torch.manual_seed(0)
+    model = GraphSAGE(in_feats, hidden, classes, len(blocks), dropout=0.0)
+    for p in model.parameters():  # non-zero biases, so padded rows are not zeros
+        if p.dim() == 1:
+            torch.nn.init.uniform_(p, -0.5, 0.5)
+    x = torch.randn(sizes[0], in_feats)
+    labels = torch.randint(0, classes, (sizes[-1],))
+    want_out, want_grads = _run(model, blocks, x, labels, 1)
+    padded = []
+    monkeypatch.setattr(model_mod, "gemm_rows",
+                        lambda n, device: padded.append((n, _bucket(n, device)))
+                        or _bucket(n, device))
+    got_out, got_grads = _run(model, blocks, x, labels, 1)
+    assert any(b > n for n, b in padded), f"nothing was padded: {padded}"
+    assert got_out.shape == (sizes[-1], classes)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    # layer by layer (layer-wise inference): num_dst rows, the same values
+    with torch.no_grad():
+        h = x
+        for i, b in enumerate(blocks):
+            h = model.forward_layer(i, b, h)
+            assert h.shape[0] == b.num_dst_nodes()
+    torch.testing.assert_close(h, want_out, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_rows_of_a_layer_with_input_gradient(monkeypatch):
+    """SAGEConv alone on an input that needs a gradient (a middle layer): the input's
+    gradient has the input's rows, and equals the unpadded one."""
+    block = random_block(400, 150, 9, seed=3)
+    conv = SAGEConv(16, 24)
+    x = torch.randn(400, 16, requires_grad=True)
+    w = torch.randn(150, 24)
+    (conv(block, x) * w).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    monkeypatch.setattr(model_mod, "gemm_rows", lambda n, device: _bucket(n, device))
+    out = conv(block, x)
+    assert out.shape[0] == _bucket(150, "cpu") > 150
+    (out[:150] * w).sum().backward()
+    assert x.grad.shape == x.shape
+    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
+    """At the default precision (and on any device but the CPU) the rows are the block's.
+    At ``medium`` they are bucketed where the CPU multiplies bfloat16 natively: a step of
+    1/32 to 1/16 of the rows, at least 64, and never fewer rows. Run in a child process:
+    the precision is process-wide."""
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert [gemm_rows(n, torch.device("cpu")) for n in (1, 1000, 25150)] == [1, 1000, 25150]
+    code = (
+        "import torch, json\n"
+        "from trainer_client.model import gemm_rows, cpu_multiplies_bf16\n"
+        "torch.set_float32_matmul_precision('medium')\n"
+        "bf16 = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()\n"
+        "print(json.dumps([bool(bf16), [gemm_rows(n, torch.device('cpu')) for n in "
+        "(0, 1, 64, 65, 1000, 1024, 4188, 25150)], gemm_rows(4188, torch.device('meta'))]))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    import json
+    bf16, rows, meta = json.loads(res.stdout.strip().splitlines()[-1])
+    assert meta == 4188
+    ns = [0, 1, 64, 65, 1000, 1024, 4188, 25150]
+    if not bf16:
+        assert rows == ns
+        return
+    assert rows == [64, 64, 64, 128, 1024, 1024, 4352, 25600]
+    for n, r in zip(ns, rows):
+        assert r >= n and (r - n) * 16 <= max(r, 64 * 16)
