@@ -166,6 +166,12 @@ MATMUL_PRECISION_HELP = (
     "size, and a run's losses and accuracy move by what two seeds would")
 
 
+def _check_matmul_precision(value: str) -> None:
+    if value not in MATMUL_PRECISIONS:
+        raise ConfigError(f"--matmul-precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
+                          f"got {value!r}")
+
+
 @dataclass
 class TrainerConfig:
     """One trainer process (a DDP rank): model, optimisation, and how it talks to servers."""
@@ -334,9 +340,7 @@ class TrainerConfig:
                               f"{self.feat_transfer!r}")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
-        if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ConfigError(f"--matmul-precision must be one of {', '.join(MATMUL_PRECISIONS)}"
-                              f", got {self.matmul_precision!r}")
+        _check_matmul_precision(self.matmul_precision)
         check_retain_mb(self.malloc_retain_mb)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
@@ -590,6 +594,7 @@ class InferConfig:
     device: str = opt("auto", "auto (cuda if available, else cpu), cpu, or cuda",
                       choices=("auto", "cpu", "cuda"))
     num_threads: int = opt(0, "torch CPU threads; 0 keeps torch's default")
+    matmul_precision: str = opt("highest", MATMUL_PRECISION_HELP, choices=MATMUL_PRECISIONS)
     max_message_mb: int = opt(
         512, "largest message accepted, in MiB; node tensor reads and writes are cut into "
         "chunks below it")
@@ -618,6 +623,7 @@ class InferConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
+        _check_matmul_precision(self.matmul_precision)
         if self.request_timeout_s <= 0:
             raise ConfigError("--request-timeout-s must be > 0")
         _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)

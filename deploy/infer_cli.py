@@ -164,6 +164,7 @@ def run(cfg: InferConfig) -> dict:
     saved = load_model_file(model_path)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
     device = pick_device(cfg, 0)
     pool = make_pool(cfg)
     try:
@@ -179,7 +180,7 @@ def run(cfg: InferConfig) -> dict:
         "num_nodes": index["num_nodes"], "num_layers": len(layer_s), "layer_s": layer_s,
         "nodes_per_s": round(index["num_nodes"] / max(sum(layer_s), 1e-9), 1),
         "export_s": round(export_s, 3), "wall_s": round(time.perf_counter() - t0, 3),
-        "device": str(device),
+        "device": str(device), "matmul_precision": torch.get_float32_matmul_precision(),
     }
 
 

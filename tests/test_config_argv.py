@@ -100,7 +100,8 @@ CASES = {
                                               ServerNodeConfig(cluster_out="/o", **NODE)]),
     InferConfig: ("deploy.infer_cli", [InferConfig(
         cluster="/c", run_dir="/r", model="/m.pt", out="/o", parts="/p", batch_size=5,
-        max_inflight=2, device="cpu", num_threads=2, max_message_mb=9, request_timeout_s=7.5,
+        max_inflight=2, device="cpu", num_threads=2, matmul_precision="medium", max_message_mb=9,
+        request_timeout_s=7.5,
         heartbeat_s=0.5, heartbeat_timeout_s=2.5, replica_suspect_s=3.5, curve_secret_key="/k",
         progress=False)]),
     StatusConfig: ("deploy.status_cli", [StatusConfig(cluster="/c", json=True, timeout_s=2.5,

@@ -103,9 +103,9 @@ def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     assert [gemm_rows(n, torch.device("cpu")) for n in (1, 1000, 25150)] == [1, 1000, 25150]
     code = (
         "import torch, json\n"
-        "from trainer_client.model import gemm_rows, cpu_multiplies_bf16\n"
+        "from trainer_client.model import gemm_rows, bf16_gemms_possible\n"
         "torch.set_float32_matmul_precision('medium')\n"
-        "bf16 = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()\n"
+        "bf16 = bf16_gemms_possible()\n"
         "print(json.dumps([bool(bf16), [gemm_rows(n, torch.device('cpu')) for n in "
         "(0, 1, 64, 65, 1000, 1024, 4188, 25150)], gemm_rows(4188, torch.device('meta'))]))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

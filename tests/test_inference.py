@@ -227,6 +227,34 @@ def test_cora_sage_matches_whole_graph(cora, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_bfloat16_matmuls_match_whole_graph_within_their_error(cora, tmp_path):
+    """``--matmul-precision medium`` (bfloat16 products where the CPU has them, the layers'
+    rows bucketed): the same outputs as the float32 whole-graph computation within
+    bfloat16's error, the same predictions where they are clear."""
+    from trainer_client.model import bf16_gemms_possible
+
+    g = cora.graph
+    spec = _spec(g, "sage", 2)
+    model = train_model(g, spec, epochs=25)
+    path = tmp_path / "m.pt"
+    save_model(path, model, spec, g.meta)
+    out = tmp_path / "out"
+    proc = infer(["--cluster", cora.file, "--model", path, "--out", out, "--parts",
+                  cora.parts, "--batch-size", 300, "--matmul-precision", "medium"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["matmul_precision"] == "medium"
+    _, got = _load_outputs(out)
+    ref = g.layers(model)[-1]
+    err = np.abs(got["logits"] - ref.numpy()).max() / np.abs(ref.numpy()).max()
+    assert err < (3e-2 if bf16_gemms_possible() else 1e-4), err
+    top2 = ref.topk(2, dim=1).values
+    clear = ((top2[:, 0] - top2[:, 1]) > 0.1 * top2[:, 0].abs().clamp(min=1)).numpy()
+    assert clear.mean() > 0.5
+    assert np.array_equal(got["pred"][clear], ref.argmax(1).numpy()[clear])
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,layers,message_mb", [("gat", 2, 1), ("sage", 3, 8)])
 def test_citeseer_models_match_whole_graph(citeseer, tmp_path, name, layers, message_mb):
     """GAT (heads concatenated in the hidden layer) and a 3-layer GraphSAGE (one hidden

@@ -92,15 +92,20 @@ def gemm_rows(num_rows: int, device: torch.device) -> int:
     forward and carry zero gradients back (see :class:`SAGEConv`), so the function and the
     gradients are the same. MKL's float32 GEMM has no such cost: at the default precision
     nothing is padded."""
-    global _BF16_GEMM
-    if device.type != "cpu" or torch.get_float32_matmul_precision() != "medium":
-        return num_rows
-    if _BF16_GEMM is None:
-        _BF16_GEMM = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()
-    if not _BF16_GEMM:
+    if (device.type != "cpu" or torch.get_float32_matmul_precision() != "medium"
+            or not bf16_gemms_possible()):
         return num_rows
     step = 1 << max(6, num_rows.bit_length() - 5)
     return max(step, -(-num_rows // step) * step)
+
+
+def bf16_gemms_possible() -> bool:
+    """Whether torch can multiply float32 in bfloat16 on this CPU: oneDNN present and
+    :func:`cpu_multiplies_bf16` (what ``--matmul-precision medium`` then uses)."""
+    global _BF16_GEMM
+    if _BF16_GEMM is None:
+        _BF16_GEMM = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()
+    return _BF16_GEMM
 
 
 def cpu_multiplies_bf16() -> bool:
