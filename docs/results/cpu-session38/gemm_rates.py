@@ -26,7 +26,7 @@ def bench(f, n=20):
     return sorted(ts)[len(ts) // 2] * 1e3
 
 
-for m, k, n in [(25150, 100, 256), (4188, 256, 256), (1024, 256, 47)]:
+def rates(m: int, k: int, n: int) -> None:
     h, w, g, b = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n), torch.randn(n)
     o = torch.mm(h, w.t())
     r = {"h@W.t": bench(lambda: torch.mm(h, w.t())),
@@ -35,6 +35,10 @@ for m, k, n in [(25150, 100, 256), (4188, 256, 256), (1024, 256, 47)]:
          "h.t()@g": bench(lambda: h.t().mm(g)),
          "g@W": bench(lambda: g.mm(w))}
     print(sys.argv[1], (m, k, n), " ".join(f"{a} {v:.2f}" for a, v in r.items()))
+
+
+for shape in [(25150, 100, 256), (4188, 256, 256), (1024, 256, 47)]:
+    rates(*shape)
 
 W = torch.randn(256, 100)
 
