@@ -762,7 +762,7 @@ def print_table(summary: dict) -> None:
            f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}; "
            f"fanouts {c['fanouts']}, batch {c['batch_size']}, hidden {c['hidden']}, "
            f"threads {c['num_threads'] or 'default'}, "
-           f"matmul precision {c.get('matmul_precision', 'highest')}"]
+           f"matmul precision {','.join(c.get('matmul_precision') or ['highest'])}"]
     rounds = c.get("rounds", 1)
     head = ("end to end, training seeds/s", "DGL best", "mfgserve", "ratio")
     if rounds > 1:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import add_malloc_arg, apply_malloc, logger
+from common.config import MATMUL_PRECISIONS
 
 log = logger("step")
 
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="add a torch.profiler table of one step per side, ROWS rows (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"],
+    p.add_argument("--matmul-precision", choices=list(MATMUL_PRECISIONS),
                    default="highest", help="torch.set_float32_matmul_precision for both sides "
                    "(highest: float32; medium: bfloat16 products on a CPU with AMX / "
                    "AVX512-BF16). The batches repeat, so DGL's shapes repeat too: oneDNN's "

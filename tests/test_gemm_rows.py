@@ -4,6 +4,7 @@ without; the buckets; the precision in a process of its own."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -111,7 +112,6 @@ def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr
-    import json
     bf16, rows, meta = json.loads(res.stdout.strip().splitlines()[-1])
     assert meta == 4188
     ns = [0, 1, 64, 65, 1000, 1024, 4188, 25150]

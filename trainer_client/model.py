@@ -49,10 +49,7 @@ class _MeanAggregate(torch.autograd.Function):
             return agg
         if rows == num_dst:
             return agg, x[:num_dst].clone()
-        dst = x.new_empty((rows, x.shape[1]))
-        dst[:num_dst] = x[:num_dst]
-        dst[num_dst:] = 0
-        return agg, dst
+        return agg, F.pad(x[:num_dst], (0, 0, 0, rows - num_dst))
 
     @staticmethod
     def backward(ctx, grad_agg: Tensor, grad_dst: Tensor | None = None):
@@ -92,11 +89,17 @@ def gemm_rows(num_rows: int, device: torch.device) -> int:
     forward and carry zero gradients back (see :class:`SAGEConv`), so the function and the
     gradients are the same. MKL's float32 GEMM has no such cost: at the default precision
     nothing is padded."""
-    if (device.type != "cpu" or torch.get_float32_matmul_precision() != "medium"
-            or not bf16_gemms_possible()):
+    if not gemm_buckets(device):
         return num_rows
     step = 1 << max(6, num_rows.bit_length() - 5)
     return max(step, -(-num_rows // step) * step)
+
+
+def gemm_buckets(device: torch.device) -> bool:
+    """Whether :func:`gemm_rows` buckets on ``device`` now: a CPU that multiplies bfloat16,
+    at matmul precision ``medium``."""
+    return (device.type == "cpu" and torch.get_float32_matmul_precision() == "medium"
+            and bf16_gemms_possible())
 
 
 def bf16_gemms_possible() -> bool:
@@ -217,7 +220,7 @@ class SAGEConv(nn.Module):
         """``[rows, out]``: the block's destinations first; ``rows`` is ``num_dst`` or
         :func:`gemm_rows`'s bucket (the rows after ``num_dst`` are read by no one, and their
         gradients are zeros: the layer above pads its gradient with empty bags and the
-        model's output is sliced to the seeds, see :meth:`LayerwiseGNN.forward`)."""
+        model's output is sliced to the seeds, see :meth:`GraphSAGE.forward`)."""
         num_dst = block.num_dst_nodes()
         rows = gemm_rows(num_dst, h_src.device)
         if project_first(block, self.in_feats, self.out_feats):

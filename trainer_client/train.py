@@ -77,7 +77,7 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.model import gemm_rows
+from trainer_client.model import gemm_buckets
 from trainer_client.models import (
     build_model,
     build_optimizer,
@@ -912,7 +912,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         # --matmul-precision as it took effect, and whether the layers' rows were bucketed
         # for it (trainer_client/model.py's gemm_rows: bfloat16 products on this CPU)
         "matmul_precision": torch.get_float32_matmul_precision(),
-        "gemm_row_buckets": gemm_rows(1000, device) != 1000,
+        "gemm_row_buckets": gemm_buckets(device),
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
                      "bursts": run.train_loader.stats.bursts},
