@@ -159,10 +159,10 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 MATMUL_PRECISION_HELP = (
     "precision of the model's float32 matrix products (torch.set_float32_matmul_precision): "
     "highest multiplies in float32 (as DGL's pipeline does by default); high lets an NVIDIA "
-    "GPU (Ampere or later) use TF32 and changes nothing on a CPU; medium also lets a CPU with "
-    "bfloat16 instructions (AMX or AVX512-BF16: Intel Sapphire Rapids, AMD Zen 4 and later) "
-    "multiply in bfloat16 with float32 sums, the seed model's step about 1.7x faster on such "
-    "a CPU (docs/tuning.md). Not float32's results: each product is off by about 3e-3 of its "
+    "GPU (Ampere or later) use TF32 and changes nothing on a CPU; medium also lets a CPU on "
+    "which oneDNN has bfloat16 kernels (Intel with AMX: Sapphire Rapids and later) multiply "
+    "in bfloat16 with float32 sums, the seed model's step about 1.7x faster on such a CPU; "
+    "elsewhere (an AMD Zen 4 under torch 2.13, for one) it changes nothing (docs/tuning.md). Not float32's results: each product is off by about 3e-3 of its "
     "size, and a run's losses and accuracy move by what two seeds would")
 
 

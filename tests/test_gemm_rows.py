@@ -97,7 +97,7 @@ def test_padded_rows_of_a_layer_with_input_gradient(monkeypatch):
 
 def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     """At the default precision (and on any device but the CPU) the rows are the block's.
-    At ``medium`` they are bucketed where the CPU multiplies bfloat16 natively: a step of
+    At ``medium`` they are bucketed where products then come out in bfloat16: a step of
     1/32 to 1/16 of the rows, at least 64, and never fewer rows. Run in a child process:
     the precision is process-wide."""
     assert torch.get_float32_matmul_precision() == "highest"
@@ -121,3 +121,32 @@ def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     assert rows == [64, 64, 64, 128, 1024, 1024, 4352, 25600]
     for n, r in zip(ns, rows):
         assert r >= n and (r - n) * 16 <= max(r, 64 * 16)
+
+
+def test_bf16_probe_says_what_medium_precision_does_here():
+    """bf16_gemms_possible probes, rather than reads CPU flags: torch hands float32 products
+    at ``medium`` to oneDNN on any AVX-512 CPU, and oneDNN rounds to bfloat16 only where it
+    has such kernels (an AMD Zen 4 with ``avx512_bf16`` gets float32 products). Whatever this
+    CPU does, the probe must agree with a model-sized product's error at ``medium``, and
+    leave the process's precision as it found it. In a child process: the precision is
+    process-wide."""
+    code = (
+        "import torch, json\n"
+        "from trainer_client.model import bf16_gemms_possible\n"
+        "torch.set_float32_matmul_precision('high')\n"
+        "probe = bf16_gemms_possible()\n"
+        "after = torch.get_float32_matmul_precision()\n"
+        "torch.set_float32_matmul_precision('medium')\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "a = torch.randn(2000, 100, generator=g); w = torch.randn(256, 100, generator=g)\n"
+        "ref = a.double() @ w.double().t()\n"
+        "err = ((torch.addmm(torch.zeros(256), a, w.t()).double() - ref).abs().max()\n"
+        "       / ref.abs().max()).item()\n"
+        "print(json.dumps([probe, after, err]))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    probe, after, err = json.loads(res.stdout.strip().splitlines()[-1])
+    assert after == "high"
+    # float32 sums of 100 products: ~1e-7 of the largest; bfloat16 operands: ~1e-3
+    assert (err > 1e-4) == probe, (probe, err)

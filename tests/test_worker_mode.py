@@ -84,8 +84,8 @@ def test_accuracy_with_partitions(dataset, bar, num_parts, request, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path):
-    """``--matmul-precision medium`` (bfloat16 products on a CPU with AMX / AVX512-BF16,
-    the layers' rows bucketed for oneDNN's kernel cache; float32 elsewhere): each trainer
+    """``--matmul-precision medium`` (bfloat16 products where oneDNN has such kernels,
+    the layers' rows bucketed for its kernel cache; float32 elsewhere): each trainer
     applies it, and Cora still reaches the float32 bar."""
     from trainer_client.model import bf16_gemms_possible
 

@@ -74,13 +74,13 @@ def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
     return torch.cat([offsets, offsets[-1:].expand(extra)])
 
 
-_BF16_GEMM: bool | None = None  # whether this CPU multiplies bfloat16 natively (AMX/AVX512)
+_BF16_GEMM: bool | None = None  # whether medium precision multiplies in bfloat16 here (probed)
 
 
 def gemm_rows(num_rows: int, device: torch.device) -> int:
     """Rows to give a layer's GEMM operands of ``num_rows`` rows: ``num_rows`` itself, or,
     where torch multiplies float32 through oneDNN in bfloat16 (``--matmul-precision medium``
-    on a CPU with AMX or AVX512-BF16), the next multiple of a step of 1/16 to 1/32 of it.
+    on a CPU where that takes effect, :func:`bf16_gemms_possible`), the next multiple of a step of 1/16 to 1/32 of it.
 
     oneDNN builds (JIT-compiles) a kernel for every new GEMM shape, 5-10 ms each on this
     2-core machine, while a sampled block's row count changes every batch: with exact shapes
@@ -103,27 +103,36 @@ def gemm_buckets(device: torch.device) -> bool:
 
 
 def bf16_gemms_possible() -> bool:
-    """Whether torch can multiply float32 in bfloat16 on this CPU: oneDNN present and
-    :func:`cpu_multiplies_bf16` (what ``--matmul-precision medium`` then uses)."""
+    """Whether torch multiplies float32 in bfloat16 on this CPU at matmul precision
+    ``medium`` (what ``--matmul-precision medium`` then uses): probed once, by one small
+    product at that precision (:func:`_medium_rounds_to_bf16`).
+
+    A CPU flag is not enough: torch sends a float32 product to oneDNN with bfloat16 allowed
+    on any CPU with AVX-512, and oneDNN uses bfloat16 only where it has a kernel for it.
+    Session 38's Intel Xeon (AMX) got bfloat16 products; session 39's AMD EPYC (Zen 4, with
+    ``avx512_bf16`` but no AMX) got float32 products at float32's speed under torch 2.13, so
+    padding rows there would only cost time."""
     global _BF16_GEMM
     if _BF16_GEMM is None:
-        _BF16_GEMM = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()
+        _BF16_GEMM = torch.backends.mkldnn.is_available() and _medium_rounds_to_bf16()
     return _BF16_GEMM
 
 
-def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bfloat16 multiply instructions (AMX or AVX512-BF16: Intel
-    Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later), as Linux's
-    /proc/cpuinfo lists them; False where that file is not there."""
+def _medium_rounds_to_bf16() -> bool:
+    """Whether a float32 product at precision ``medium`` comes out rounded to bfloat16:
+    ``1 + 2**-10`` (exact in float32, 1.0 in bfloat16's 8 significand bits) times an
+    identity, through ``addmm`` and ``mm`` (the model's products). The process's precision is
+    restored afterwards."""
+    before = torch.get_float32_matmul_precision()
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
+        torch.set_float32_matmul_precision("medium")
+        a = torch.full((64, 64), 1 + 2 ** -10)
+        eye = torch.eye(64)
+        with torch.no_grad():
+            outs = (torch.addmm(torch.zeros(64), a, eye), torch.mm(a, eye))
+        return any(bool((out != a).any()) for out in outs)
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def mean_aggregate(block: Block, h_src: Tensor, rows: int | None = None) -> Tensor:
