@@ -95,6 +95,15 @@ def test_padded_rows_of_a_layer_with_input_gradient(monkeypatch):
     torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-6)
 
 
+def _child_json(code: str):
+    """The JSON of the last stdout line of ``python -c code`` (which must exit 0): for
+    what changes the process-wide matmul precision."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     """At the default precision (and on any device but the CPU) the rows are the block's.
     At ``medium`` they are bucketed where products then come out in bfloat16: a step of
@@ -109,10 +118,7 @@ def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
         "bf16 = bf16_gemms_possible()\n"
         "print(json.dumps([bool(bf16), [gemm_rows(n, torch.device('cpu')) for n in "
         "(0, 1, 64, 65, 1000, 1024, 4188, 25150)], gemm_rows(4188, torch.device('meta'))]))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
-    bf16, rows, meta = json.loads(res.stdout.strip().splitlines()[-1])
+    bf16, rows, meta = _child_json(code)
     assert meta == 4188
     ns = [0, 1, 64, 65, 1000, 1024, 4188, 25150]
     if not bf16:
@@ -143,10 +149,7 @@ def test_bf16_probe_says_what_medium_precision_does_here():
         "err = ((torch.addmm(torch.zeros(256), a, w.t()).double() - ref).abs().max()\n"
         "       / ref.abs().max()).item()\n"
         "print(json.dumps([probe, after, err]))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
-    probe, after, err = json.loads(res.stdout.strip().splitlines()[-1])
+    probe, after, err = _child_json(code)
     assert after == "high"
     # float32 sums of 100 products: ~1e-7 of the largest; bfloat16 operands: ~1e-3
     assert (err > 1e-4) == probe, (probe, err)
