@@ -95,6 +95,51 @@ def test_padded_rows_of_a_layer_with_input_gradient(monkeypatch):
     torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sizes,in_feats,hidden,classes", [
+    ([3000, 700, 130, 33], 24, 32, 7),       # aggregate first in every layer
+    ([200, 150, 70, 20], 8, 8, 3),          # small blocks: padded up to 64 rows
+])
+def test_bfloat16_casts_match_float32_within_their_error(monkeypatch, sizes, in_feats, hidden,
+                                                         classes):
+    """``medium`` where torch computes float32 but the CPU multiplies bfloat16 (an AMD
+    Zen 4): SAGEConv rounds its operands itself (_SelfNeighLinearBf16), with bucketed rows.
+    Forced here, on any CPU: the outputs and every parameter gradient are float32's within
+    bfloat16's error, the dtypes stay float32, and layer-wise rows are num_dst."""
+    blocks = _blocks(sizes, max_deg=7, seed=sizes[0])
+    torch.manual_seed(0)
+    model = GraphSAGE(in_feats, hidden, classes, len(blocks), dropout=0.0)
+    x = torch.randn(sizes[0], in_feats)
+    labels = torch.randint(0, classes, (sizes[-1],))
+    want_out, want_grads = _run(model, blocks, x, labels, 1)
+    calls = []
+    real = model_mod._SelfNeighLinearBf16.forward
+    monkeypatch.setattr(model_mod._SelfNeighLinearBf16, "forward",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    monkeypatch.setattr(model_mod, "bf16_products",
+                        lambda device: "cast" if device.type == "cpu" else None)
+    got_out, got_grads = _run(model, blocks, x, labels, 1)
+    assert len(calls) == len(blocks), calls
+    assert got_out.dtype == torch.float32 and got_out.shape == want_out.shape
+
+    def close(got, want, name, bound):  # relative Frobenius error, and not float32's own
+        err = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+        assert 0 < err < bound, (name, err)
+
+    # bfloat16 operands: ~3e-3 of a product going forward. Going back the input layer's
+    # weight gradients sum terms that largely cancel: 4-5 % here, as much as bfloat16
+    # operands with float32 products give (torch's medium, emulated: 4.4-5.0 %)
+    close(got_out, want_out, "logits", 2e-2)
+    for name, g in want_grads.items():
+        assert got_grads[name].dtype == torch.float32
+        close(got_grads[name], g, name, 0.1)
+    with torch.no_grad():
+        h = x
+        for i, b in enumerate(blocks):
+            h = model.forward_layer(i, b, h)
+            assert h.shape[0] == b.num_dst_nodes() and h.dtype == torch.float32
+    close(h, want_out, "layer-wise", 2e-2)
+
+
 def _child_json(code: str):
     """The JSON of the last stdout line of ``python -c code`` (which must exit 0): for
     what changes the process-wide matmul precision."""
@@ -106,16 +151,17 @@ def _child_json(code: str):
 
 def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     """At the default precision (and on any device but the CPU) the rows are the block's.
-    At ``medium`` they are bucketed where products then come out in bfloat16: a step of
+    At ``medium`` they are bucketed where SAGEConv's products then run in bfloat16
+    (through torch's ``medium`` or its own casts): a step of
     1/32 to 1/16 of the rows, at least 64, and never fewer rows. Run in a child process:
     the precision is process-wide."""
     assert torch.get_float32_matmul_precision() == "highest"
     assert [gemm_rows(n, torch.device("cpu")) for n in (1, 1000, 25150)] == [1, 1000, 25150]
     code = (
         "import torch, json\n"
-        "from trainer_client.model import gemm_rows, bf16_gemms_possible\n"
+        "from trainer_client.model import gemm_rows, bf16_products\n"
         "torch.set_float32_matmul_precision('medium')\n"
-        "bf16 = bf16_gemms_possible()\n"
+        "bf16 = bf16_products(torch.device('cpu')) is not None\n"
         "print(json.dumps([bool(bf16), [gemm_rows(n, torch.device('cpu')) for n in "
         "(0, 1, 64, 65, 1000, 1024, 4188, 25150)], gemm_rows(4188, torch.device('meta'))]))\n")
     bf16, rows, meta = _child_json(code)

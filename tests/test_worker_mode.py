@@ -87,7 +87,7 @@ def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path):
     """``--matmul-precision medium`` (bfloat16 products where oneDNN has such kernels,
     the layers' rows bucketed for its kernel cache; float32 elsewhere): each trainer
     applies it, and Cora still reaches the float32 bar."""
-    from trainer_client.model import bf16_gemms_possible
+    from trainer_client.model import medium_products
 
     parts = tmp_path / "cora-parts"
     run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 2, "--out", parts],
@@ -97,7 +97,8 @@ def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = _summary(proc.stdout)
     assert summary["matmul_precision"] == "medium"
-    assert summary["gemm_row_buckets"] == bf16_gemms_possible()
+    assert summary["bf16_products"] == medium_products()  # "cast" on an AMD Zen 4
+    assert summary["gemm_row_buckets"] == (medium_products() is not None)
     assert summary["test_acc"] >= 0.78, summary
     _assert_clean(tmp_path, str(parts))
 

@@ -75,12 +75,13 @@ def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
 
 
 _BF16_GEMM: bool | None = None  # whether medium precision multiplies in bfloat16 here (probed)
+_BF16_CAST: bool | None = None  # whether bfloat16 tensors multiply natively here (CPU flags)
 
 
 def gemm_rows(num_rows: int, device: torch.device) -> int:
     """Rows to give a layer's GEMM operands of ``num_rows`` rows: ``num_rows`` itself, or,
-    where torch multiplies float32 through oneDNN in bfloat16 (``--matmul-precision medium``
-    on a CPU where that takes effect, :func:`bf16_gemms_possible`), the next multiple of a step of 1/16 to 1/32 of it.
+    where SAGEConv's products run in bfloat16 (``--matmul-precision medium`` on a CPU where
+    that takes effect, :func:`bf16_products`), the next multiple of a step of 1/16 to 1/32 of it.
 
     oneDNN builds (JIT-compiles) a kernel for every new GEMM shape, 5-10 ms each on this
     2-core machine, while a sampled block's row count changes every batch: with exact shapes
@@ -96,10 +97,22 @@ def gemm_rows(num_rows: int, device: torch.device) -> int:
 
 
 def gemm_buckets(device: torch.device) -> bool:
-    """Whether :func:`gemm_rows` buckets on ``device`` now: a CPU that multiplies bfloat16,
-    at matmul precision ``medium``."""
-    return (device.type == "cpu" and torch.get_float32_matmul_precision() == "medium"
-            and bf16_gemms_possible())
+    """Whether :func:`gemm_rows` buckets on ``device`` now: wherever SAGEConv's products
+    run in bfloat16 (:func:`bf16_products`), which oneDNN computes with a kernel per shape."""
+    return bf16_products(device) is not None
+
+
+def bf16_products(device: torch.device) -> str | None:
+    """How SAGEConv's float32 products get bfloat16 on ``device`` at the process's matmul
+    precision: ``"onednn"`` where torch's ``medium`` itself rounds them
+    (:func:`bf16_gemms_possible`: an Intel CPU with AMX), ``"cast"`` where it does not but
+    the CPU has bfloat16 dot-product instructions (:func:`cpu_multiplies_bf16`: AMD Zen 4
+    and later, Intel Cooper Lake), so that SAGEConv rounds the operands itself
+    (:class:`_SelfNeighLinearBf16`); None at ``highest`` / ``high``, off the CPU, or on a
+    CPU without either."""
+    if device.type != "cpu" or torch.get_float32_matmul_precision() != "medium":
+        return None
+    return medium_products()
 
 
 def bf16_gemms_possible() -> bool:
@@ -116,6 +129,39 @@ def bf16_gemms_possible() -> bool:
     if _BF16_GEMM is None:
         _BF16_GEMM = torch.backends.mkldnn.is_available() and _medium_rounds_to_bf16()
     return _BF16_GEMM
+
+
+def medium_products() -> str | None:
+    """What :func:`bf16_products` gives on the CPU at ``medium``, from a process at any
+    precision (for callers that do not set it, e.g. tests)."""
+    if bf16_gemms_possible():
+        return "onednn"
+    return "cast" if bf16_casts_possible() else None
+
+
+def bf16_casts_possible() -> bool:
+    """Whether multiplying bfloat16 tensors is worth it here: oneDNN present and the CPU
+    has bfloat16 dot-product instructions (there oneDNN multiplies bfloat16 tensors with
+    them, e.g. ``brg_matmul:avx512_core_bf16``: 3.7x float32's rate on session 39's AMD
+    EPYC; without them it would emulate bfloat16 and gain nothing)."""
+    global _BF16_CAST
+    if _BF16_CAST is None:
+        _BF16_CAST = torch.backends.mkldnn.is_available() and cpu_multiplies_bf16()
+    return _BF16_CAST
+
+
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bfloat16 multiply instructions (AVX512-BF16 or AMX), as Linux's
+    /proc/cpuinfo lists them; False where that file is not there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def _medium_rounds_to_bf16() -> bool:
@@ -212,6 +258,46 @@ class _SelfNeighLinear(torch.autograd.Function):
                 grad.sum(0) if need[4] else None)  # False for no bias
 
 
+class _SelfNeighLinearBf16(torch.autograd.Function):
+    """:class:`_SelfNeighLinear` with bfloat16 operands, for ``--matmul-precision medium``
+    where torch's ``medium`` computes float32 (:func:`bf16_products` ``"cast"``). ``h_dst``
+    and ``h_neigh`` are rounded into one ``[rows, 2 in]`` bfloat16 buffer (the rounding pass
+    writes them side by side for free) and the two weights into one ``[out, 2 in]``, so the
+    forward is one GEMM and so is each weight gradient. oneDNN sums in float32; each
+    product's output is rounded to bfloat16 and widened back to float32, so activations,
+    the mean, the loss and the gradients handed on stay float32. Products are off by about
+    4e-3 of their size (torch's ``medium``: 3e-3). The buffer saved for the backward is half
+    the float32 inputs' size."""
+
+    @staticmethod
+    def forward(ctx, h_dst: Tensor, h_neigh: Tensor, w_self: Tensor, w_neigh: Tensor,
+                bias: Tensor | None) -> Tensor:
+        rows, k = h_dst.shape
+        x = torch.empty((rows, 2 * k), dtype=torch.bfloat16, device=h_dst.device)
+        x[:, :k] = h_dst
+        x[:, k:] = h_neigh
+        w = torch.cat([w_self, w_neigh], 1).to(torch.bfloat16)
+        out = torch.mm(x, w.t()).float()
+        if bias is not None:
+            out += bias
+        ctx.save_for_backward(x, w)
+        ctx.k, ctx.has_bias = k, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, w = ctx.saved_tensors
+        k, need = ctx.k, ctx.needs_input_grad
+        g = grad.to(torch.bfloat16)
+        gh = g.mm(w) if need[0] or need[1] else None  # [rows, 2 in]
+        gw = x.t().mm(g).t().float() if need[2] or need[3] else None  # [out, 2 in]
+        return (gh[:, :k].float() if need[0] else None,  # type: ignore[index]
+                gh[:, k:].float() if need[1] else None,  # type: ignore[index]
+                gw[:, :k].contiguous() if need[2] else None,  # type: ignore[index]
+                gw[:, k:].contiguous() if need[3] else None,  # type: ignore[index]
+                grad.sum(0) if ctx.has_bias and need[4] else None)
+
+
 class SAGEConv(nn.Module):
     def __init__(self, in_feats: int, out_feats: int, bias: bool = True):
         super().__init__()
@@ -236,8 +322,10 @@ class SAGEConv(nn.Module):
             h_neigh = mean_aggregate(block, self.fc_neigh(h_src), rows)
             return self.fc_self(_leading_rows(h_src, num_dst, rows)) + h_neigh
         h_neigh, h_dst = mean_and_self(block, h_src, rows)
-        return _SelfNeighLinear.apply(h_dst, h_neigh, self.fc_self.weight,
-                                      self.fc_neigh.weight, self.fc_self.bias)
+        linear = (_SelfNeighLinearBf16 if bf16_products(h_src.device) == "cast"
+                  else _SelfNeighLinear)
+        return linear.apply(h_dst, h_neigh, self.fc_self.weight, self.fc_neigh.weight,
+                            self.fc_self.bias)
 
 
 _BITS = 15  # random bits per element of a CPU dropout mask

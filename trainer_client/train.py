@@ -77,7 +77,7 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.model import gemm_buckets
+from trainer_client.model import bf16_products, gemm_buckets
 from trainer_client.models import (
     build_model,
     build_optimizer,
@@ -909,9 +909,11 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         # OpenMP's wait policy for this rank's torch threads (worker mode chooses it per
         # role, deploy/worker_mode.py's child_env); "default": not set, libgomp's own
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
-        # --matmul-precision as it took effect, and whether the layers' rows were bucketed
-        # for it (trainer_client/model.py's gemm_rows: bfloat16 products on this CPU)
+        # --matmul-precision as it took effect: how SAGEConv's products got bfloat16
+        # ("onednn": torch's medium, "cast": its own casts, None: float32; model.py's
+        # bf16_products), and whether the layers' rows were bucketed for it (gemm_rows)
         "matmul_precision": torch.get_float32_matmul_precision(),
+        "bf16_products": bf16_products(device),
         "gemm_row_buckets": gemm_buckets(device),
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
