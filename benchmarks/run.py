@@ -60,7 +60,7 @@ import sys
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from benchmarks.report import (
@@ -475,23 +475,35 @@ def _dgl_warmup(fg, args: argparse.Namespace) -> None:
         f"{time.perf_counter() - t0:.1f}s")
 
 
+AUTOCAST = "-autocast"  # the name suffix of DGL's runs under torch.autocast (bfloat16)
+
+
 def _dgl_train(steps: Steps, family: str, fg, args: argparse.Namespace, p: float,
                suffix: str = "", precision: str = "highest") -> None:
     """DGL training at dropout ``p`` and matmul ``precision``, once per ``--dgl-workers``
-    value."""
+    value. At ``medium`` on the CPU, once more each under ``torch.autocast("cpu",
+    bfloat16)``: DGL's own way to bfloat16 products where torch's ``medium`` computes
+    float32 (an AMD Zen 4), a candidate for DGL's best of that row."""
+    import torch
+
     from benchmarks import dgl_pipeline
 
-    def train(w: int) -> dict:
-        with matmul_precision(precision):
+    def train(w: int, autocast: bool = False) -> dict:
+        cast = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
+                else nullcontext())
+        with matmul_precision(precision), cast:
             res = dgl_pipeline.train_dgl(
                 fg, args.fanouts, args.batch_size, args.epochs, hidden=args.hidden,
                 num_workers=w, max_batches=args.max_batches, seed=args.seed, dropout=p, lr=LR,
                 weight_decay=WEIGHT_DECAY, num_threads=args.num_threads, device=args.device)
-        return {**res, "matmul_precision": precision}
+        return {**res, "matmul_precision": precision, "autocast_bf16": autocast}
 
     for w in args.dgl_workers:
         steps.run(family, f"dgl_train_w{w}_{dlabel(p, precision)}{suffix}",
                   lambda w=w: train(w))
+        if precision == "medium" and args.device == "cpu":
+            steps.run(family, f"dgl_train_w{w}_{dlabel(p, precision)}{AUTOCAST}{suffix}",
+                      lambda w=w: train(w, autocast=True))
 
 
 def measure_dgl(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
@@ -631,8 +643,9 @@ def round_suffixes(args: argparse.Namespace) -> list[str]:
 
 def dgl_names(args: argparse.Namespace, d: str, sfx: str = "") -> list[str]:
     """DGL's runs a row at label ``d`` is compared with: each ``--dgl-workers`` value, at
-    the row's precision and, for a row at another precision, at highest too (DGL's best)."""
-    labels = [d] if "_" not in d else [d, d.split("_", 1)[0]]
+    the row's precision and, for a row at another precision, at highest too, and under
+    autocast (DGL's best; a name not measured is skipped)."""
+    labels = [d] if "_" not in d else [d, d + AUTOCAST, d.split("_", 1)[0]]
     return [f"dgl_train_w{w}_{x}{sfx}" for x in labels for w in args.dgl_workers]
 
 

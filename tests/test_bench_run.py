@@ -177,3 +177,24 @@ def test_hetero_step_both_sides_on_one_typed_graph(tmp_path):
     assert 0 <= h["dgl"]["test_acc"] <= 1 and 0 <= h["mfgserve"]["test_acc"] <= 1
     assert h["ratio"] > 0 and h["acc_diff"] is not None
     assert "heterogeneous (1,500-paper" in proc.stderr
+
+
+def test_a_medium_row_takes_dgls_best_of_medium_autocast_and_float32():
+    """A row at matmul precision medium is compared with DGL's best at that dropout over
+    medium, medium under torch.autocast (bfloat16) and highest; a run not made (autocast
+    is CPU-only) is skipped. Pure bookkeeping: no process is started."""
+    args = bench_run.build_parser().parse_args(["--dgl-workers", "0,1", "--rounds", "2"])
+    names = bench_run.dgl_names(args, "d0_medium", "_r2")
+    assert names == ["dgl_train_w0_d0_medium_r2", "dgl_train_w1_d0_medium_r2",
+                     "dgl_train_w0_d0_medium-autocast_r2",
+                     "dgl_train_w1_d0_medium-autocast_r2",
+                     "dgl_train_w0_d0_r2", "dgl_train_w1_d0_r2"]
+    assert bench_run.dgl_names(args, "d0") == ["dgl_train_w0_d0", "dgl_train_w1_d0"]
+    results = {"dgl_train_w0_d0_medium": {"seeds_per_s": 100.0},
+               "dgl_train_w0_d0_medium-autocast": {"seeds_per_s": 150.0},
+               "dgl_train_w0_d0": {"seeds_per_s": 120.0},
+               "worker_mode_d0_medium": {"seeds_per_s": 180.0},
+               "dgl_train_w0_d0_medium_r2": {"seeds_per_s": 100.0},
+               "dgl_train_w0_d0_r2": {"seeds_per_s": 90.0},
+               "worker_mode_d0_medium_r2": {"seeds_per_s": 200.0}}
+    assert bench_run.round_ratios(results, args, "d0_medium") == [1.2, 2.0]
