@@ -222,10 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch.set_float32_matmul_precision), each training row run at each "
                         "on both sides (DGL in this process, worker mode by its "
                         "--matmul-precision): highest (default): float32, the seed "
-                        "tutorial's; medium: bfloat16 products where oneDNN has such "
-                        "kernels (an Intel CPU with AMX); high: TF32 on an NVIDIA GPU. A row at another precision "
+                        "tutorial's; medium: bfloat16 products on a CPU with bfloat16 "
+                        "instructions (docs/tuning.md), DGL also run under torch.autocast "
+                        "(cpu, bfloat16) there; high: TF32 on an NVIDIA GPU. A row at another precision "
                         "than highest is compared with DGL's best at that dropout over that "
-                        "precision and highest (DGL's shapes change every batch, and oneDNN "
+                        "precision, autocast and highest (DGL's shapes change every batch, and oneDNN "
                         "builds a kernel per shape: bfloat16 can be slower for it). The first "
                         "value is the precision of the ddp row and the step / datapath / "
                         "limits modules")
@@ -489,7 +490,10 @@ def _dgl_train(steps: Steps, family: str, fg, args: argparse.Namespace, p: float
     from benchmarks import dgl_pipeline
 
     def train(w: int, autocast: bool = False) -> dict:
-        cast = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
+        # no weight cache: it lives as long as the context, which spans the whole training
+        # loop here, and would keep the first step's bfloat16 weights (DGL then learns
+        # nothing); each op casts afresh, what a context per forward pass costs
+        cast = (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast
                 else nullcontext())
         with matmul_precision(precision), cast:
             res = dgl_pipeline.train_dgl(

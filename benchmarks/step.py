@@ -191,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument("--matmul-precision", choices=list(MATMUL_PRECISIONS),
                    default="highest", help="torch.set_float32_matmul_precision for both sides "
-                   "(highest: float32; medium: bfloat16 products where oneDNN has such "
-                   "kernels, an Intel CPU with AMX). The batches repeat, so DGL's shapes repeat too: oneDNN's "
+                   "(highest: float32; medium: bfloat16 products on a CPU with bfloat16 "
+                   "instructions, docs/tuning.md; DGL's side gets torch's medium, not "
+                   "autocast). The batches repeat, so DGL's shapes repeat too: oneDNN's "
                    "per-shape kernel builds, which a training run pays on every new batch "
                    "without mfgserve's row buckets, are not in DGL's figure")
     add_malloc_arg(p)

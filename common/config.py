@@ -159,11 +159,13 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 MATMUL_PRECISION_HELP = (
     "precision of the model's float32 matrix products (torch.set_float32_matmul_precision): "
     "highest multiplies in float32 (as DGL's pipeline does by default); high lets an NVIDIA "
-    "GPU (Ampere or later) use TF32 and changes nothing on a CPU; medium also lets a CPU on "
-    "which oneDNN has bfloat16 kernels (Intel with AMX: Sapphire Rapids and later) multiply "
-    "in bfloat16 with float32 sums, the seed model's step about 1.7x faster on such a CPU; "
-    "elsewhere (an AMD Zen 4 under torch 2.13, for one) it changes nothing (docs/tuning.md). Not float32's results: each product is off by about 3e-3 of its "
-    "size, and a run's losses and accuracy move by what two seeds would")
+    "GPU (Ampere or later) use TF32 and changes nothing on a CPU; medium also multiplies in "
+    "bfloat16 with float32 sums on a CPU with bfloat16 instructions: through torch on one "
+    "with AMX (Intel Sapphire Rapids and later), through GraphSAGE's own casts on one with "
+    "AVX512-BF16 only (AMD Zen 4 and later), the seed model's step about 1.5x faster on "
+    "either (docs/tuning.md); elsewhere it changes nothing. Not float32's results: each "
+    "product is off by about 3e-3 of its size, and a run's losses and accuracy move by what "
+    "two seeds would")
 
 
 def _check_matmul_precision(value: str) -> None:
