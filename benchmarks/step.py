@@ -103,9 +103,21 @@ def _profile(fn, rows: int) -> list[dict]:
             for e in avgs[:rows]]
 
 
+def _autocast_step(model, opt, blocks, x, y) -> None:
+    """:func:`_step` with its forward under ``torch.autocast("cpu", bfloat16)``, a context
+    per step as a training loop has it (DGL's own route to bfloat16 products)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(blocks, x)
+        loss = F.cross_entropy(logits, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
                  dropout: float, batches: int = 8, repeats: int = 3, seed: int = 0,
-                 num_threads: int | None = None, profile_rows: int = 0) -> dict:
+                 num_threads: int | None = None, profile_rows: int = 0,
+                 dgl_autocast: bool = False) -> dict:
     from benchmarks.dgl_pipeline import DGLGraphSAGE, load_full_graph
     from trainer_client.model import GraphSAGE
     from trainer_client.models import build_optimizer
@@ -125,6 +137,7 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
         "dgl": (theirs, torch.optim.Adam(theirs.parameters(), lr=3e-3, weight_decay=5e-4),
                 _fresh_dgl_blocks),
     }
+    steps = {"mfgserve": _step, "dgl": _autocast_step if dgl_autocast else _step}
     times: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
     for rep in range(repeats):
@@ -133,13 +146,14 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
                 model.train()
                 mine = convert(blocks)
                 t, c = time.perf_counter(), time.process_time()
-                _step(model, opt, mine, x, y)
+                steps[name](model, opt, mine, x, y)
                 if rep > 0 or repeats == 1:
                     times[name].append(time.perf_counter() - t)
                     cpu[name].append(time.process_time() - c)
     res = {
         "batches": batches, "timed_steps": len(times["dgl"]), "num_threads":
-        torch.get_num_threads(), "dropout": dropout, "sample_s": round(sample_s, 2),
+        torch.get_num_threads(), "dropout": dropout, "dgl_autocast": dgl_autocast,
+        "sample_s": round(sample_s, 2),
         "input_nodes_per_batch": round(sum(b[0].num_src_nodes() for b, _, _ in data)
                                        / len(data), 1),
         "edges_per_batch": round(sum(sum(bl.num_edges() for bl in b) for b, _, _ in data)
@@ -155,7 +169,8 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
         blocks, x, y = data[0]
         for name, (model, opt, convert) in sides.items():
             res[f"{name}_profile"] = _profile(
-                lambda m=model, o=opt, c=convert: _step(m, o, c(blocks), x, y), profile_rows)
+                lambda m=model, o=opt, c=convert, f=steps[name]: f(m, o, c(blocks), x, y),
+                profile_rows)
     return res
 
 
@@ -196,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "autocast). The batches repeat, so DGL's shapes repeat too: oneDNN's "
                    "per-shape kernel builds, which a training run pays on every new batch "
                    "without mfgserve's row buckets, are not in DGL's figure")
+    p.add_argument("--dgl-autocast", action="store_true",
+                   help="DGL's step with its forward under torch.autocast(cpu, bfloat16), a "
+                        "context per step: DGL's own route to bfloat16 products, which its "
+                        "whole model (activations, GSpMM) then runs in; compare with "
+                        "--matmul-precision medium")
     add_malloc_arg(p)
     return p
 
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--parts {args.parts}: no such partition set directory", file=sys.stderr)
         return 2
     res = measure_step(Path(args.parts), fanouts, args.batch_size, args.hidden, args.dropout,
-                       args.batches, args.repeats, args.seed, args.num_threads, args.profile)
+                       args.batches, args.repeats, args.seed, args.num_threads, args.profile,
+                       dgl_autocast=args.dgl_autocast)
     log(f"step ms (median): mfgserve {res['mfgserve_ms']:.1f}, dgl {res['dgl_ms']:.1f}, "
         f"ratio {res['ratio']:.3f}; cpu ms {res['mfgserve_cpu_ms']:.1f} / "
         f"{res['dgl_cpu_ms']:.1f}, ratio {res['cpu_ratio']:.3f} (threads {res['num_threads']})")

@@ -121,3 +121,14 @@ def test_settings_from_run_namespace():
     assert datapath.Settings.from_args(ns).num_batches == 7
     lim = limits.Settings.from_args(ns)
     assert lim.fanouts == [15, 10, 5] and lim.mem_mib == 1024
+
+
+@pytest.mark.timeout(180)
+def test_step_small_with_dgl_under_autocast(parts):
+    """``python -m benchmarks.step`` at matmul precision medium with DGL's step under
+    torch.autocast (bfloat16): both sides timed, the setting recorded."""
+    s = _run(["benchmarks.step", "--parts", str(parts), "--fanouts", "5,5",
+              "--batch-size", "256", "--batches", "2", "--repeats", "2", "--hidden", "32",
+              "--matmul-precision", "medium", "--dgl-autocast"], timeout=170)
+    assert s["dgl_autocast"] is True and s["timed_steps"] == 2
+    _positive(s, "mfgserve_ms", "dgl_ms", "ratio", "input_nodes_per_batch")
