@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -83,9 +84,13 @@ def _fresh_dgl_blocks(dgl_blocks) -> list:
     return out
 
 
-def _step(model, opt, blocks, x, y) -> None:
-    logits = model(blocks, x)
-    loss = F.cross_entropy(logits, y)
+def _step(model, opt, blocks, x, y, autocast: bool = False) -> None:
+    """One training step; ``autocast``: its forward under ``torch.autocast("cpu",
+    bfloat16)``, a context per step as a training loop has it (DGL's own route to bfloat16
+    products)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+        logits = model(blocks, x)
+        loss = F.cross_entropy(logits, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -101,17 +106,6 @@ def _profile(fn, rows: int) -> list[dict]:
     return [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1000, 2),
              "share": round(e.self_cpu_time_total / total, 3), "calls": e.count}
             for e in avgs[:rows]]
-
-
-def _autocast_step(model, opt, blocks, x, y) -> None:
-    """:func:`_step` with its forward under ``torch.autocast("cpu", bfloat16)``, a context
-    per step as a training loop has it (DGL's own route to bfloat16 products)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(blocks, x)
-        loss = F.cross_entropy(logits, y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
 
 
 def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
@@ -137,7 +131,7 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
         "dgl": (theirs, torch.optim.Adam(theirs.parameters(), lr=3e-3, weight_decay=5e-4),
                 _fresh_dgl_blocks),
     }
-    steps = {"mfgserve": _step, "dgl": _autocast_step if dgl_autocast else _step}
+    cast = {"mfgserve": False, "dgl": dgl_autocast}
     times: dict[str, list[float]] = {k: [] for k in sides}
     cpu: dict[str, list[float]] = {k: [] for k in sides}
     for rep in range(repeats):
@@ -146,7 +140,7 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
                 model.train()
                 mine = convert(blocks)
                 t, c = time.perf_counter(), time.process_time()
-                steps[name](model, opt, mine, x, y)
+                _step(model, opt, mine, x, y, cast[name])
                 if rep > 0 or repeats == 1:
                     times[name].append(time.perf_counter() - t)
                     cpu[name].append(time.process_time() - c)
@@ -169,7 +163,7 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
         blocks, x, y = data[0]
         for name, (model, opt, convert) in sides.items():
             res[f"{name}_profile"] = _profile(
-                lambda m=model, o=opt, c=convert, f=steps[name]: f(m, o, c(blocks), x, y),
+                lambda m=model, o=opt, c=convert, a=cast[name]: _step(m, o, c(blocks), x, y, a),
                 profile_rows)
     return res
 
