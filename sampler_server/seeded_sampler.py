@@ -123,8 +123,12 @@ def choose_positions(deg: np.ndarray, k: int, rng: np.random.Generator,
         st = rng.bit_generator.state
         pcg = np.array([st["state"]["state"] >> 64, st["state"]["state"] & _U64,
                         st["state"]["inc"] >> 64, st["state"]["inc"] & _U64], dtype=np.uint64)
-        if lib.mfg_draw_picks(pcg.ctypes.data, d.ctypes.data, deg.size, k, picks.ctypes.data,
-                              redo.ctypes.data) < 0:
+        rc = lib.mfg_draw_picks(pcg.ctypes.data, d.ctypes.data, deg.size, k, picks.ctypes.data,
+                                redo.ctypes.data)
+        if rc == native.NO_MEMORY:
+            raise MemoryError(f"seeded sampling: no memory for the draws of {deg.size} rows x "
+                              f"fanout {k} ({deg.size * k * 4} bytes)")
+        if rc < 0:
             raise ValueError(f"seeded sampling: fanout {k} with a degree not in ({k}, 2^31-1)")
         st["state"]["state"] = (int(pcg[0]) << 64) | int(pcg[1])
         rng.bit_generator.state = st  # where numpy's own draws would have left it
