@@ -373,6 +373,13 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
 
 
 # ------------------------------------------------------------------ the step
+# Timed batches per row. 30 (until session 40) left each side's window at 0.5-2 s on 2 cores:
+# four paired runs of one code read the per-core ratio 1.75-2.49 on RMAT; with 90, 1.95-2.44
+# and products 2.34-2.64 (docs/benchmarks.md, "Issue 14, session 40"). 90 + the warm-up fit
+# one epoch of benchmarks.run's default graphs at --train-frac 0.1 (98 batches).
+DEFAULT_BATCHES = 90
+
+
 @dataclasses.dataclass
 class Settings:
     """What the step needs, from benchmarks.run's Namespace or this module's CLI."""
@@ -397,7 +404,7 @@ class Settings:
     def from_args(cls, args) -> Settings:
         g = getattr
         max_batches = g(args, "max_batches", None)
-        num_batches = g(args, "num_batches", None) or max_batches or 30
+        num_batches = g(args, "num_batches", None) or max_batches or DEFAULT_BATCHES
         return cls(
             fanouts=list(args.fanouts), batch_size=int(args.batch_size),
             num_batches=int(num_batches), warmup=int(g(args, "warmup", 3) or 3),
@@ -492,8 +499,8 @@ def measure(parts: str | Path, s: Settings, log=None) -> tuple[dict, dict]:
 def run_step(parts: Path, args) -> dict[str, dict]:
     """benchmarks.run's step: ``{name: figures}`` for ``datapath-mfgserve-{1,2}srv``,
     ``datapath-dgl-w{0,1}`` and ``datapath-ratios``. ``args`` fields used: fanouts,
-    batch_size, max_batches (timed batches; default 30), seed, server_workers, inflight,
-    shm_ring, num_threads; optional: dgl_workers (default 0,1), worker_sampler_procs
+    batch_size, max_batches (timed batches; default DEFAULT_BATCHES), seed, server_workers,
+    inflight, shm_ring, num_threads; optional: dgl_workers (default 0,1), worker_sampler_procs
     (default 0), datapath_servers (default 1,2), warmup (default 3). A measurement that
     fails raises :class:`DataPathError` (after the others ran) naming every error; its
     ``results`` attribute holds what did run."""
@@ -521,8 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fanouts", type=int_list, default=[15, 10, 5],
                    help="neighbours per layer, input layer first (default 15,10,5)")
     p.add_argument("--batch-size", type=int, default=1024, help="seeds per batch (1024)")
-    p.add_argument("--num-batches", type=int, default=30,
-                   help="timed batches per measurement, after the warm-up (30)")
+    p.add_argument("--num-batches", type=int, default=DEFAULT_BATCHES,
+                   help=f"timed batches per measurement, after the warm-up ({DEFAULT_BATCHES}: "
+                        "shorter windows scatter the per-core ratio widely on a shared VM)")
     p.add_argument("--warmup", type=int, default=3, help="untimed batches first (3, >= 1)")
     p.add_argument("--servers", type=int_list, default=[1, 2],
                    help="server counts to measure: replicas of each part, as worker-mode "

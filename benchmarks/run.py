@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=None,
                    help="cap on DGL training batches per epoch (per process under DDP) and "
                         "per evaluation pass, and the batch count of the sample-only "
-                        "measurements (default: full epochs; 30 sample-only batches). "
+                        "measurements (default: full epochs; 30 sample-only batches, 90 in the "
+                        "datapath step). "
                         "worker-mode always runs full epochs")
     p.add_argument("--dgl-workers", type=int_list, default=[0, 1],
                    help="DGL DataLoader num_workers values to measure (default 0,1)")

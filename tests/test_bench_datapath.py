@@ -116,7 +116,7 @@ def test_settings_from_run_namespace():
                             seed=3, max_batches=None, server_workers=2, inflight=4,
                             shm_ring=True, num_threads=None)
     d = datapath.Settings.from_args(ns)
-    assert (d.num_batches, d.servers, d.dgl_workers, d.seed) == (30, [1, 2], [0, 1], 3)
+    assert (d.num_batches, d.servers, d.dgl_workers, d.seed) == (90, [1, 2], [0, 1], 3)
     ns.max_batches = 7
     assert datapath.Settings.from_args(ns).num_batches == 7
     lim = limits.Settings.from_args(ns)
