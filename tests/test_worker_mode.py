@@ -83,23 +83,27 @@ def test_accuracy_with_partitions(dataset, bar, num_parts, request, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path):
+@pytest.mark.parametrize("model,bar", [("sage", 0.78), ("gat", 0.75)])
+def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path, model, bar):
     """``--matmul-precision medium`` (bfloat16 products where oneDNN has such kernels,
     the layers' rows bucketed for its kernel cache; float32 elsewhere): each trainer
-    applies it, and Cora still reaches the float32 bar."""
+    applies it, and Cora still reaches the float32 bar, with the seed model and with GAT,
+    whose projections take the same route. GAT's bar is lower: it read 0.788 on Cora with
+    these settings at either precision (session 40, AMD Zen 4), too close to 0.78 for
+    another CPU's rounding."""
     from trainer_client.model import medium_products
 
     parts = tmp_path / "cora-parts"
     run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 2, "--out", parts],
             timeout=300)
-    proc = _worker(["--parts", str(parts), *SETTINGS, "--matmul-precision", "medium"],
-                   tmp_path, timeout=540)
+    proc = _worker(["--parts", str(parts), *SETTINGS, "--model", model,
+                    "--matmul-precision", "medium"], tmp_path, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = _summary(proc.stdout)
     assert summary["matmul_precision"] == "medium"
     assert summary["bf16_products"] == medium_products()  # "cast" on an AMD Zen 4
     assert summary["gemm_row_buckets"] == (medium_products() is not None)
-    assert summary["test_acc"] >= 0.78, summary
+    assert summary["test_acc"] >= bar, summary
     _assert_clean(tmp_path, str(parts))
 
 

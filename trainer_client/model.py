@@ -298,6 +298,54 @@ class _SelfNeighLinearBf16(torch.autograd.Function):
                 grad.sum(0) if ctx.has_bias and need[4] else None)
 
 
+class _MatmulBf16(torch.autograd.Function):
+    """``x @ w`` (``w``: ``[in, out]``) with both operands rounded to bfloat16 and float32
+    results, for the ``"cast"`` route (:func:`bf16_products`): what
+    :class:`_SelfNeighLinearBf16` does for SAGEConv, for one projection (GCN, GAT). The rows
+    go into a ``[padded, in]`` bfloat16 buffer whose extra rows are zeros, and the gradient
+    into one of the same rows, so every product has a bucketed shape (:func:`gemm_rows`);
+    the padded rows contribute nothing to the weight gradient. The input gradient and the
+    weight gradient come back in float32."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, padded: int) -> Tensor:
+        rows = x.shape[0]
+        xb = torch.empty((padded, x.shape[1]), dtype=torch.bfloat16, device=x.device)
+        xb[:rows] = x
+        xb[rows:] = 0
+        wb = w.to(torch.bfloat16)
+        ctx.save_for_backward(xb, wb)
+        ctx.rows = rows
+        return torch.mm(xb, wb)[:rows].float()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        xb, wb = ctx.saved_tensors
+        rows, need = ctx.rows, ctx.needs_input_grad
+        g = torch.empty((xb.shape[0], grad.shape[1]), dtype=torch.bfloat16, device=grad.device)
+        g[:rows] = grad
+        g[rows:] = 0
+        return (g.mm(wb.t())[:rows].float() if need[0] else None,
+                xb.t().mm(g).float() if need[1] else None, None)
+
+
+def project(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w`` (``w``: ``[in, out]``) for a model's projection, by the route
+    :func:`bf16_products` gives ``x``'s device: float32 (the default), torch's ``medium``
+    with the rows bucketed (``"onednn"``), or bfloat16 operands with the rows bucketed
+    (``"cast"``, :class:`_MatmulBf16`). Always ``[rows of x, out]``, float32."""
+    route = bf16_products(x.device)
+    if route is None:
+        return x @ w
+    rows = x.shape[0]
+    padded = gemm_rows(rows, x.device)
+    if route == "cast":
+        return _MatmulBf16.apply(x, w, padded)
+    if padded == rows:
+        return x @ w
+    return (F.pad(x, (0, 0, 0, padded - rows)) @ w)[:rows]
+
+
 class SAGEConv(nn.Module):
     def __init__(self, in_feats: int, out_feats: int, bias: bool = True):
         super().__init__()

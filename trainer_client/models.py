@@ -34,7 +34,14 @@ from torch import Tensor, nn
 from common.config import HETERO_MODEL_NAMES, MODEL_NAMES  # the --model choices
 from common.errors import ConfigError
 from common.mfg import Block, count_index
-from trainer_client.model import GraphSAGE, LayerwiseGNN, layer_dims, mean_aggregate, project_first
+from trainer_client.model import (
+    GraphSAGE,
+    LayerwiseGNN,
+    layer_dims,
+    mean_aggregate,
+    project,
+    project_first,
+)
 
 __all__ = ["MODEL_NAMES", "build_model", "check_spec", "GraphConv", "GATConv", "GCN", "GAT",
            "DGLGraphSAGE", "edge_softmax"]
@@ -46,7 +53,9 @@ class GraphConv(nn.Module):
     """``h_v' = sum_{u -> v} h_u W / sqrt(d_out(u) d_in(v)) + b`` with the block's sampled
     degrees clamped at 1, as ``dgl.nn.GraphConv(in, out, norm="both")`` computes on a block
     (same parameter names: ``weight`` [in, out], ``bias``). The sum is the block's mean
-    SpMM times the in-degree, so it shares that kernel and its backward."""
+    SpMM times the in-degree, so it shares that kernel and its backward. The projection goes
+    through :func:`~trainer_client.model.project` (bfloat16 at ``--matmul-precision
+    medium`` where the CPU has it)."""
 
     def __init__(self, in_feats: int, out_feats: int):
         super().__init__()
@@ -60,10 +69,10 @@ class GraphConv(nn.Module):
         h = h_src * out_deg.clamp(min=1).to(h_src.dtype).rsqrt().unsqueeze(1)
         first = project_first(block, self.in_feats, self.out_feats)  # the cheaper order
         if first:
-            h = h @ self.weight
+            h = project(h, self.weight)
         h = mean_aggregate(block, h)
         if not first:
-            h = h @ self.weight
+            h = project(h, self.weight)
         # mean * d_in / sqrt(d_in) = sum / sqrt(d_in)
         in_deg = block.in_degrees().clamp(min=1).to(h.dtype)
         return h * in_deg.sqrt().unsqueeze(1) + self.bias
@@ -88,7 +97,8 @@ class GATConv(nn.Module):
     """Graph attention as ``dgl.nn.GATConv(in, out, heads)`` computes it with no feature or
     attention dropout and no residual (same parameter names: ``fc``, ``attn_l``,
     ``attn_r``, ``bias``). Output ``[num_dst, heads, out]``; a destination without in-edges
-    gets the bias only."""
+    gets the bias only. ``fc`` is applied through :func:`~trainer_client.model.project`
+    (bfloat16 at ``--matmul-precision medium`` where the CPU has it)."""
 
     def __init__(self, in_feats: int, out_feats: int, num_heads: int,
                  negative_slope: float = 0.2):
@@ -104,7 +114,7 @@ class GATConv(nn.Module):
             nn.init.xavier_normal_(p, gain=gain)
 
     def forward(self, block: Block, h_src: Tensor) -> Tensor:
-        feat = self.fc(h_src).view(-1, self.num_heads, self.out_feats)
+        feat = project(h_src, self.fc.weight.t()).view(-1, self.num_heads, self.out_feats)
         el = (feat * self.attn_l).sum(-1)  # [num_src, heads]
         er = (feat[:block.num_dst_nodes()] * self.attn_r).sum(-1)
         src, dst = block.edges()
