@@ -341,9 +341,7 @@ def project(x: Tensor, w: Tensor) -> Tensor:
     padded = gemm_rows(rows, x.device)
     if route == "cast":
         return _MatmulBf16.apply(x, w, padded)
-    if padded == rows:
-        return x @ w
-    return (F.pad(x, (0, 0, 0, padded - rows)) @ w)[:rows]
+    return (_leading_rows(x, rows, padded) @ w)[:rows]
 
 
 class SAGEConv(nn.Module):
