@@ -355,8 +355,8 @@ int64_t mfg_draw_picks(uint64_t *pcg, const int64_t *deg, int64_t n, int64_t k,
         for (int64_t q = 0; q < nr; q++)
             tb[s * nr + q] =
                 (int32_t)(mfg_pcg_double(&g) * (double)(deg[redo[q]] - k + s + 1));
+    int64_t q0 = 0; /* the rows before q0 are done two at a time (SSE2), the rest below */
 #if defined(__SSE2__)
-    int64_t q0 = 0;
     if (k <= MFG_RANK_W) { /* two rows at a time: their steps' latency chains interleave */
         const __m128i i0 = _mm_setr_epi32(0, 1, 2, 3), i1 = _mm_setr_epi32(4, 5, 6, 7),
                       i2 = _mm_setr_epi32(8, 9, 10, 11), i3 = _mm_setr_epi32(12, 13, 14, 15);
@@ -391,8 +391,6 @@ int64_t mfg_draw_picks(uint64_t *pcg, const int64_t *deg, int64_t n, int64_t k,
         }
 #undef MFG_FLOYD_STEP
     }
-#else
-    int64_t q0 = 0;
 #endif
     for (int64_t q = q0; q < nr; q++) {
         int32_t *p = picks + redo[q] * k;
