@@ -510,6 +510,55 @@ int64_t mfg_row_runs(const int64_t *indptr, int64_t nrows, const int64_t *rows, 
     return 0;
 }
 
+/* A typed CSC's runs of one relation: each row's in-edge segment [indptr[v], indptr[v + 1])
+ * has its edges' relation ids (etype, int16) in ascending order, so relation r's edges are
+ * one run in it. start[i] and deg[i] are that run's first position and length for row
+ * rows[i] (deg 0, start where the run would be, when the row has none): two binary searches
+ * per row in one C pass, with the rows ahead's indptr and then their segments fetched ahead
+ * (the numpy form, sampler_server/partition_store.py's relation_runs, takes ~10 passes over
+ * all rows per search; docs/benchmarks.md, "Issue 14, session 41").
+ * Returns 0, or MFG_BAD_ID (nothing written) if a row is outside [0, nrows) or a segment
+ * outside etype's n_etype entries. */
+int64_t mfg_relation_runs(const int64_t *indptr, int64_t nrows, const int16_t *etype,
+                          int64_t n_etype, const int64_t *rows, int64_t n, int64_t r,
+                          int64_t *start, int64_t *deg)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if ((uint64_t)rows[i] >= (uint64_t)nrows)
+            return MFG_BAD_ID;
+        const int64_t lo = indptr[rows[i]], hi = indptr[rows[i] + 1];
+        if (lo < 0 || lo > hi || hi > n_etype)
+            return MFG_BAD_ID;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (i + 2 * MFG_AHEAD < n)
+            MFG_PREFETCH(indptr + rows[i + 2 * MFG_AHEAD]);
+        if (i + MFG_AHEAD < n)
+            MFG_PREFETCH(etype + indptr[rows[i + MFG_AHEAD]]);
+        const int64_t hi = indptr[rows[i] + 1];
+        int64_t a = indptr[rows[i]], b = hi;
+        while (a < b) { /* first position with etype >= r */
+            const int64_t m = a + ((b - a) >> 1);
+            if (etype[m] < r)
+                a = m + 1;
+            else
+                b = m;
+        }
+        const int64_t s = a;
+        b = hi;
+        while (a < b) { /* first position with etype > r */
+            const int64_t m = a + ((b - a) >> 1);
+            if (etype[m] <= r)
+                a = m + 1;
+            else
+                b = m;
+        }
+        start[i] = s;
+        deg[i] = a - s;
+    }
+    return 0;
+}
+
 /* Feature rows into a reply: out's row i = base's row ids[i], row_bytes each (a partition's
  * feature matrix, num_rows rows, into a trainer's shared-memory slot; see
  * sampler_server/partition_store.py's gather()). The next rows' memory is fetched ahead.

@@ -6,7 +6,8 @@ a hop's sampled sources: ~10^5-10^6 ids) is a handful of scattered reads and wri
 numpy does each as its own pass over memory, with the GIL held between passes; one C loop
 does them all in a single pass with the GIL released, fetching the next rows' memory ahead
 (measured in docs/benchmarks.md, "Native relabel" and "session 21"). Kernels:
-``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_row_runs``, ``mfg_draw_picks``
+``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_relation_runs``
+(sampler_server/partition_store.py), ``mfg_row_runs``, ``mfg_draw_picks``
 and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py), ``mfg_copy_rows``
 (sampler_server/partition_store.py).
 
@@ -112,6 +113,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mfg_copy_rows.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int32]
     lib.mfg_row_runs.restype = i64
     lib.mfg_row_runs.argtypes = [p, i64, p, i64, p, p]
+    lib.mfg_relation_runs.restype = i64
+    lib.mfg_relation_runs.argtypes = [p, i64, p, i64, p, i64, i64, p, p]
     lib.mfg_gather_rows.restype = i64
     lib.mfg_gather_rows.argtypes = [p, p, i64, i64, p, i64, p, i64, ctypes.c_int32, p]
     return lib

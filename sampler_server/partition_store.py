@@ -8,7 +8,7 @@ memory-mapped ``.npy`` files, so several processes on a node share the page cach
 Typed sets (partition/layout.py: node_type.npy, etype.npy, halo_etype.npy) sample one
 relation at a time (``sample_neighbors(..., etype=r)``): a destination's in-edge segment is
 sorted by relation, so relation r's in-edges of destination v are one run of it, found by a
-vectorised binary search over the etypes of the requested rows' segments (no per-relation copy
+binary search over the etypes of each requested row's segment (no per-relation copy
 of the graph; nothing held but the memory maps). Those runs are sampled by
 sampler_server/seeded_sampler.py, with the request's seed or, unseeded, a fresh random one per
 call (DGL's C++ sampler needs a CSC per relation). ``etype=-1`` samples all in-edges as for a
@@ -47,8 +47,22 @@ def _as_tensor(a: np.ndarray) -> Tensor:
 def relation_runs(indptr: np.ndarray, etype: np.ndarray, rows: np.ndarray, r: int
                   ) -> tuple[np.ndarray, np.ndarray]:
     """(start, deg) of relation ``r``'s run in each of ``rows``' in-edge segments
-    ``[indptr[v], indptr[v + 1])``, whose etypes are sorted: two lower-bound binary searches,
-    each vectorised over all rows (log2(max degree) + 1 numpy steps)."""
+    ``[indptr[v], indptr[v + 1])``, whose etypes are sorted: two lower-bound binary searches
+    per row, by the native kernel (``mfg_relation_runs``, one pass) where it is loaded and
+    the arrays are int64 / int16, else vectorised over all rows in numpy (log2(max degree) +
+    1 steps each; the same result)."""
+    lib = native.load()
+    ip, et = np.asarray(indptr), np.asarray(etype)
+    if (lib is not None and ip.dtype == np.int64 and et.dtype == np.int16
+            and ip.flags.c_contiguous and et.flags.c_contiguous):
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        start, deg = np.empty(rows.size, dtype=np.int64), np.empty(rows.size, dtype=np.int64)
+        if lib.mfg_relation_runs(ip.ctypes.data, ip.size - 1, et.ctypes.data, et.size,
+                                 rows.ctypes.data, rows.size, int(r), start.ctypes.data,
+                                 deg.ctypes.data) < 0:
+            raise IndexError(f"typed sampling: a row outside the CSC's {ip.size - 1} rows, "
+                             f"or an in-edge segment outside its {et.size} relation ids")
+        return start, deg
     lo, hi = indptr[rows].astype(np.int64), indptr[rows + 1].astype(np.int64)
     start = _lower_bound(etype, lo, hi, r)
     end = _lower_bound(etype, start, hi, r + 1)

@@ -380,11 +380,20 @@ def test_bad_typed_requests_answered(mag_data, mag_parts, cluster, synth_parts1)
     assert typed_fanouts(SampleRequest(seeds=papers, fanouts=[2]), store) is None
 
 
-def test_relation_runs_match_a_scan():
+@pytest.mark.parametrize("kernel", ["native", "numpy"])
+def test_relation_runs_match_a_scan(kernel, monkeypatch):
     """relation_runs (the per-relation run of each destination's etype-sorted in-edge
-    segment) against a plain scan: empty segments, absent relations, the array's last row."""
+    segment) against a plain scan: empty segments, absent relations, the array's last row;
+    by the C kernel and by the numpy passes it falls back to."""
+    from common import native
+    from sampler_server import partition_store
     from sampler_server.partition_store import relation_runs
 
+    if kernel == "native":
+        if native.load() is None:
+            pytest.skip(f"native kernels not loaded: {native.status()}")
+    else:
+        monkeypatch.setattr(partition_store.native, "load", lambda: None)
     rng = np.random.default_rng(0)
     deg = rng.integers(0, 40, 300)
     deg[[0, 7, -1]] = [0, 1, 33]
@@ -399,3 +408,22 @@ def test_relation_runs_match_a_scan():
             assert cnt[i] == hit.size
             if hit.size:
                 assert start[i] == indptr[v] + hit[0] and (np.diff(hit) == 1).all()
+
+
+def test_relation_runs_refuse_rows_outside_the_csc():
+    """The C kernel checks every row and segment before writing: a row past the CSC, or an
+    indptr pointing past the relation ids (a damaged partition), is an IndexError naming
+    both sizes, not a read out of bounds."""
+    from common import native
+    from sampler_server.partition_store import relation_runs
+
+    if native.load() is None:
+        pytest.skip(f"native kernels not loaded: {native.status()}")
+    indptr = np.array([0, 2, 5], dtype=np.int64)
+    etype = np.array([0, 1, 0, 0, 2], dtype=np.int16)
+    start, deg = relation_runs(indptr, etype, np.array([1, 0]), 0)
+    assert start.tolist() == [2, 0] and deg.tolist() == [2, 1]
+    with pytest.raises(IndexError, match="outside the CSC's 2 rows"):
+        relation_runs(indptr, etype, np.array([0, 2]), 0)
+    with pytest.raises(IndexError, match="outside its 4 relation ids"):
+        relation_runs(indptr, etype[:4], np.array([1]), 0)
