@@ -600,3 +600,63 @@ def test_hetero_sage_refused_by_mfgserve_infer_only():
     with pytest.raises(ConfigError, match=r"typed model \(hetero-sage\)"):
         refuse_typed("hetero-sage", info)
     TrainerConfig(cluster="/c", model="hetero-sage", eval="full").validate()
+
+
+def _typed_run(model, mfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A typed model's logits and every parameter's gradient of a fixed loss."""
+    model.zero_grad()
+    x = {t: f.clone() for t, f in mfg.feat.items()}
+    out = model(mfg, x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
+                          if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["rsage", "hetero-sage"])
+def test_typed_layers_either_order_and_bfloat16_operands(batch, name, monkeypatch):
+    """A destination type's state is one sum of products (``model.linear_sum``): its self
+    loop and every relation aggregated first, plus the relations projected first where
+    ``project_first`` finds that cheaper. Forced to aggregate every relation first, and to
+    project every one first, the logits and all gradients are the same as the mixed default
+    (float32 rounding only). At ``medium`` where the CPU multiplies bfloat16 (the "cast"
+    route, forced here on any CPU) each sum is one bfloat16 product (``_LinearSumBf16``):
+    float32's outputs and gradients within bfloat16's error, all float32."""
+    import trainer_client.hetero_model as hm
+    import trainer_client.model as model_mod
+
+    *_, sampled = batch
+    mfg = HeteroMFG.of(sampled)
+    torch.manual_seed(2)
+    model = build_hetero_model(hetero_spec(
+        SimpleNamespace(ntypes=NTYPES, etypes=ETYPES, predict_ntype="paper"), WIDTHS, 3,
+        CLASSES, 2, name=name))
+    chosen = []
+    real_pf = hm.project_first
+    monkeypatch.setattr(hm, "project_first", lambda *a: chosen.append(real_pf(*a)) or chosen[-1])
+    want_out, want = _typed_run(model, mfg)
+    assert True in chosen and False in chosen, chosen  # the batch takes both orders
+    for forced in (True, False):
+        monkeypatch.setattr(hm, "project_first", lambda *a, f=forced: f)
+        out, got = _typed_run(model, mfg)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        assert sorted(got) == sorted(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(hm, "project_first", real_pf)
+    calls = []
+    real = model_mod._LinearSumBf16.forward
+    monkeypatch.setattr(model_mod._LinearSumBf16, "forward",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    monkeypatch.setattr(model_mod, "bf16_products",
+                        lambda device: "cast" if device.type == "cpu" else None)
+    out, got = _typed_run(model, mfg)
+    assert calls, "the typed layers did not take the bfloat16 route"
+    assert out.dtype == torch.float32
+
+    def rel_err(a, b):
+        return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+    assert 0 < rel_err(out, want_out) < 2e-2
+    for k in want:
+        assert got[k].dtype == torch.float32
+        assert rel_err(got[k], want[k]) < 0.1, (k, rel_err(got[k], want[k]))

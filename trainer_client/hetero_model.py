@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from common.errors import ConfigError
 from common.mfg import CanonicalEtype, HeteroBlock, HeteroMFG
-from trainer_client.model import LayerwiseGNN, mean_aggregate
+from trainer_client.model import LayerwiseGNN, linear_sum, mean_aggregate, project_first
 
 __all__ = ["AGGREGATORS", "HETERO_SPEC_KEYS", "HETERO_MODELS", "RelGraphConv", "RelGraphSAGE",
            "HeteroSAGEConv", "HeteroSAGE", "TypedGNN", "check_hetero_spec",
@@ -119,18 +119,29 @@ class _TypedConv(nn.Module):
                              f"{'none' if hs is None else hs.shape[0]}")
         return hs
 
-    def _add_neigh(self, out: Tensor, rel: CanonicalEtype, b, h: dict[str, Tensor],
-                   w: Tensor) -> Tensor:
-        """``out + w agg(h[src type])`` over relation ``rel``'s block ``b`` (``out`` itself
-        for no edges: the mean and sum over none are 0)."""
+    def _neigh(self, rel: CanonicalEtype, b, h: dict[str, Tensor], w: Tensor,
+               terms: list[tuple[Tensor, Tensor]], adds: list[Tensor]) -> None:
+        """Relation ``rel``'s term ``w agg(h[src type])`` over its block ``b``: appended to
+        ``terms`` as ``(agg, w)`` (aggregated first: one more product of the destination
+        type's :func:`~trainer_client.model.linear_sum`), or to ``adds`` as a finished
+        ``[num_dst, out]`` tensor where projecting the sources first multiplies and moves less
+        (:func:`~trainer_client.model.project_first`; the same function); nothing for no
+        edges (the mean and sum over none are 0)."""
         if b.num_edges() == 0:
-            return out
+            return
         hs = self._src(rel, b, h)
-        # project first when that shrinks the rows moved along edges (same function)
-        if self.in_dims[rel[0]] > self.out_feats:
-            return out + aggregate(b, F.linear(hs, w), self.aggregator)
-        # accumulate in place: addmm_'s backward does not need its output
-        return out.addmm_(aggregate(b, hs, self.aggregator), w.t())
+        if project_first(b, self.in_dims[rel[0]], self.out_feats):
+            adds.append(aggregate(b, F.linear(hs, w), self.aggregator))
+        else:
+            terms.append((aggregate(b, hs, self.aggregator), w))
+
+    @staticmethod
+    def _combine(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]],
+                 adds: list[Tensor]) -> Tensor:
+        out = linear_sum(bias, terms)
+        for a in adds:
+            out = out + a
+        return out
 
 
 class RelGraphConv(_TypedConv):
@@ -155,7 +166,8 @@ class RelGraphConv(_TypedConv):
                 nn.init.zeros_(fc.bias)
 
     def forward(self, block: HeteroBlock, h: dict[str, Tensor]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
+        terms: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        adds: dict[str, list[Tensor]] = {}
         for t in block.ntypes:
             nd = block.num_dst[t]
             if nd == 0:
@@ -163,13 +175,14 @@ class RelGraphConv(_TypedConv):
             if t not in h:
                 raise ValueError(f"no input states for node type {t!r}, which has "
                                  f"{nd} destination nodes in this layer")
-            out[t] = self.self_fc[self._type(t)](h[t][:nd])
+            terms[t], adds[t] = [(h[t][:nd], self.self_fc[self._type(t)].weight)], []
         for rel, b in block.rels.items():
             if b.num_dst_nodes() == 0:
                 continue
             i = self._rel(rel)
-            out[rel[2]] = self._add_neigh(out[rel[2]], rel, b, h, self.rel_fc[i].weight)
-        return out
+            self._neigh(rel, b, h, self.rel_fc[i].weight, terms[rel[2]], adds[rel[2]])
+        return {t: self._combine(self.self_fc[self._type(t)].bias, terms[t], adds[t])
+                for t in terms}
 
 
 class _SAGEConvParams(nn.Module):
@@ -220,13 +233,15 @@ class HeteroSAGEConv(_TypedConv):
                                  f"but {hd.shape[0]} input states")
             fcs = [self.mods[i].fc_self for _, i in rels]
             if len(fcs) == 1:
-                out[d] = fcs[0](hd[:nd])
-            else:  # sum_r fc_self_r(h) as one matmul with the summed weights and biases
-                out[d] = F.linear(hd[:nd], torch.stack([fc.weight for fc in fcs]).sum(0),
-                                  torch.stack([fc.bias for fc in fcs]).sum(0))
+                w_self, bias = fcs[0].weight, fcs[0].bias
+            else:  # sum_r fc_self_r(h) as one product with the summed weights and biases
+                w_self = torch.stack([fc.weight for fc in fcs]).sum(0)
+                bias = torch.stack([fc.bias for fc in fcs]).sum(0)
+            terms, adds = [(hd[:nd], w_self)], []
             for rel, i in rels:
-                out[d] = self._add_neigh(out[d], rel, block.rels[rel], h,
-                                         self.mods[i].fc_neigh.weight)
+                self._neigh(rel, block.rels[rel], h, self.mods[i].fc_neigh.weight, terms,
+                            adds)
+            out[d] = self._combine(bias, terms, adds)
         return out
 
 

@@ -12,7 +12,7 @@ with the mean over the block's sampled in-edges (0 for a destination without any
 is one weighted ``embedding_bag`` over the CSC (fused, no per-edge message tensor) whose
 backward is the same kernel over the transposed bags: the same code on CPU and CUDA. The
 step is built to move as few bytes and multiply as little as it can (see
-:class:`_MeanAggregate`, :class:`_SelfNeighLinear`, :func:`project_first` and GraphSAGE's
+:class:`_MeanAggregate`, :class:`_LinearSum`, :func:`project_first` and GraphSAGE's
 in-place ReLU): on 2 CPU cores the trainer step is bound by its GEMMs (at 120-180 GFLOP/s)
 and memory passes, and every full-size temporary costs page faults and passes.
 """
@@ -108,7 +108,7 @@ def bf16_products(device: torch.device) -> str | None:
     (:func:`bf16_gemms_possible`: an Intel CPU with AMX), ``"cast"`` where it does not but
     the CPU has bfloat16 dot-product instructions (:func:`cpu_multiplies_bf16`: AMD Zen 4
     and later, Intel Cooper Lake), so that SAGEConv rounds the operands itself
-    (:class:`_SelfNeighLinearBf16`); None at ``highest`` / ``high``, off the CPU, or on a
+    (:class:`_LinearSumBf16`); None at ``highest`` / ``high``, off the CPU, or on a
     CPU without either."""
     if device.type != "cpu" or torch.get_float32_matmul_precision() != "medium":
         return None
@@ -227,81 +227,99 @@ def project_first(block: Block, in_feats: int, out_feats: int) -> bool:
     return extra_rows * in_feats * out_feats < block.num_edges() * (in_feats - out_feats)
 
 
-class _SelfNeighLinear(torch.autograd.Function):
-    """``h_dst W_self^T + bias + h_neigh W_neigh^T``: SAGEConv's two projections into one
-    output, the second accumulated in place (``addmm_``: no third ``[num_dst, out]`` tensor).
+class _LinearSum(torch.autograd.Function):
+    """``bias + sum_i x_i W_i^T`` into one output: ``apply(bias, x_1, W_1, x_2, W_2, ...)``
+    (``bias`` may be None). SAGEConv's ``h_dst W_self^T + bias + h_neigh W_neigh^T`` is the
+    two-term case; a typed layer's destination state (its self loop plus one term per
+    relation into its type, trainer_client/hetero_model.py) the n-term one. The terms after
+    the first are accumulated in place (``addmm_``: no further ``[rows, out]`` tensors).
 
-    Its backward computes each weight gradient as ``(h^T grad)^T``. Autograd's ``addmm``
-    backward computes ``grad^T h`` for a weight used as ``W.t()``; with ``num_dst`` in the tens
+    Its backward computes each weight gradient as ``(x^T grad)^T``. Autograd's ``addmm``
+    backward computes ``grad^T x`` for a weight used as ``W.t()``; with ``rows`` in the tens
     of thousands and ``in`` 100 (the input layer) that GEMM runs at 120-130 GFLOP/s on this
     2-core machine, and this form at 137-150 (docs/benchmarks.md, "Issue 14, session 23"):
     4-5 % of the seed model's step. The same products, so the same gradients.
     """
 
     @staticmethod
-    def forward(ctx, h_dst: Tensor, h_neigh: Tensor, w_self: Tensor, w_neigh: Tensor,
-                bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(h_dst, h_neigh, w_self, w_neigh)
-        out = (torch.mm(h_dst, w_self.t()) if bias is None
-               else torch.addmm(bias, h_dst, w_self.t()))
-        return out.addmm_(h_neigh, w_neigh.t())
+    def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
+        ctx.save_for_backward(*xw)
+        ctx.has_bias = bias is not None
+        out = (torch.mm(xw[0], xw[1].t()) if bias is None
+               else torch.addmm(bias, xw[0], xw[1].t()))
+        for i in range(2, len(xw), 2):
+            out.addmm_(xw[i], xw[i + 1].t())
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        h_dst, h_neigh, w_self, w_neigh = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        xw, need = ctx.saved_tensors, ctx.needs_input_grad
         grad = grad.contiguous()
-        return (grad.mm(w_self) if need[0] else None,
-                grad.mm(w_neigh) if need[1] else None,
-                h_dst.t().mm(grad).t().contiguous() if need[2] else None,
-                h_neigh.t().mm(grad).t().contiguous() if need[3] else None,
-                grad.sum(0) if need[4] else None)  # False for no bias
+        got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
+        for i in range(0, len(xw), 2):
+            x, w = xw[i], xw[i + 1]
+            got.append(grad.mm(w) if need[1 + i] else None)
+            got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
+        return tuple(got)
 
 
-class _SelfNeighLinearBf16(torch.autograd.Function):
-    """:class:`_SelfNeighLinear` with bfloat16 operands, for ``--matmul-precision medium``
-    where torch's ``medium`` computes float32 (:func:`bf16_products` ``"cast"``). ``h_dst``
-    and ``h_neigh`` are rounded into one ``[rows, 2 in]`` bfloat16 buffer (the rounding pass
-    writes them side by side for free) and the two weights into one ``[out, 2 in]``, so the
-    forward is one GEMM and so is each weight gradient. oneDNN sums in float32; each
-    product's output is rounded to bfloat16 and widened back to float32, so activations,
-    the mean, the loss and the gradients handed on stay float32. Products are off by about
-    4e-3 of their size (torch's ``medium``: 3e-3). The buffer saved for the backward is half
-    the float32 inputs' size."""
+class _LinearSumBf16(torch.autograd.Function):
+    """:class:`_LinearSum` with bfloat16 operands, for ``--matmul-precision medium`` where
+    torch's ``medium`` computes float32 (:func:`bf16_products` ``"cast"``). The ``x_i`` are
+    rounded into one ``[rows, sum in_i]`` bfloat16 buffer (the rounding pass writes them side
+    by side for free) and the weights into one ``[out, sum in_i]``, so the forward is one
+    GEMM and so is the weights' gradient. oneDNN sums in float32; each product's output is
+    rounded to bfloat16 and widened back to float32, so activations, the mean, the loss and
+    the gradients handed on stay float32. Products are off by about 4e-3 of their size
+    (torch's ``medium``: 3e-3). The buffer saved for the backward is half the float32
+    inputs' size."""
 
     @staticmethod
-    def forward(ctx, h_dst: Tensor, h_neigh: Tensor, w_self: Tensor, w_neigh: Tensor,
-                bias: Tensor | None) -> Tensor:
-        rows, k = h_dst.shape
-        x = torch.empty((rows, 2 * k), dtype=torch.bfloat16, device=h_dst.device)
-        x[:, :k] = h_dst
-        x[:, k:] = h_neigh
-        w = torch.cat([w_self, w_neigh], 1).to(torch.bfloat16)
+    def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
+        xs, ws = xw[0::2], xw[1::2]
+        widths = [x.shape[1] for x in xs]
+        x = torch.empty((xs[0].shape[0], sum(widths)), dtype=torch.bfloat16,
+                        device=xs[0].device)
+        at = 0
+        for xi, k in zip(xs, widths):
+            x[:, at:at + k] = xi
+            at += k
+        w = torch.cat(ws, 1).to(torch.bfloat16)
         out = torch.mm(x, w.t()).float()
         if bias is not None:
             out += bias
         ctx.save_for_backward(x, w)
-        ctx.k, ctx.has_bias = k, bias is not None
+        ctx.widths, ctx.has_bias = widths, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, w = ctx.saved_tensors
-        k, need = ctx.k, ctx.needs_input_grad
+        need = ctx.needs_input_grad
         g = grad.to(torch.bfloat16)
-        gh = g.mm(w) if need[0] or need[1] else None  # [rows, 2 in]
-        gw = x.t().mm(g).t().float() if need[2] or need[3] else None  # [out, 2 in]
-        return (gh[:, :k].float() if need[0] else None,  # type: ignore[index]
-                gh[:, k:].float() if need[1] else None,  # type: ignore[index]
-                gw[:, :k].contiguous() if need[2] else None,  # type: ignore[index]
-                gw[:, k:].contiguous() if need[3] else None,  # type: ignore[index]
-                grad.sum(0) if ctx.has_bias and need[4] else None)
+        gx = g.mm(w) if any(need[1::2]) else None  # [rows, sum in_i]
+        gw = x.t().mm(g).t().float() if any(need[2::2]) else None  # [out, sum in_i]
+        got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
+        at = 0
+        for i, k in enumerate(ctx.widths):
+            got.append(gx[:, at:at + k].float() if need[1 + 2 * i] else None)  # type: ignore[index]
+            got.append(gw[:, at:at + k].contiguous() if need[2 + 2 * i] else None)  # type: ignore[index]
+            at += k
+        return tuple(got)
+
+
+def linear_sum(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """``bias + sum x W^T`` over ``terms`` (``(x, W)``, ``W``: ``[out, in]`` as in
+    nn.Linear; every ``x`` with the same rows) by :class:`_LinearSum`, or at ``medium`` on
+    the ``"cast"`` route (:func:`bf16_products`) by :class:`_LinearSumBf16`."""
+    fn = _LinearSumBf16 if bf16_products(terms[0][0].device) == "cast" else _LinearSum
+    return fn.apply(bias, *(t for term in terms for t in term))
 
 
 class _MatmulBf16(torch.autograd.Function):
     """``x @ w`` (``w``: ``[in, out]``) with both operands rounded to bfloat16 and float32
     results, for the ``"cast"`` route (:func:`bf16_products`): what
-    :class:`_SelfNeighLinearBf16` does for SAGEConv, for one projection (GCN, GAT). The rows
+    :class:`_LinearSumBf16` does for SAGEConv, for one projection (GCN, GAT). The rows
     go into a ``[padded, in]`` bfloat16 buffer whose extra rows are zeros, and the gradient
     into one of the same rows, so every product has a bucketed shape (:func:`gemm_rows`);
     the padded rows contribute nothing to the weight gradient. The input gradient and the
@@ -368,10 +386,8 @@ class SAGEConv(nn.Module):
             h_neigh = mean_aggregate(block, self.fc_neigh(h_src), rows)
             return self.fc_self(_leading_rows(h_src, num_dst, rows)) + h_neigh
         h_neigh, h_dst = mean_and_self(block, h_src, rows)
-        linear = (_SelfNeighLinearBf16 if bf16_products(h_src.device) == "cast"
-                  else _SelfNeighLinear)
-        return linear.apply(h_dst, h_neigh, self.fc_self.weight, self.fc_neigh.weight,
-                            self.fc_self.bias)
+        return linear_sum(self.fc_self.bias, [(h_dst, self.fc_self.weight),
+                                              (h_neigh, self.fc_neigh.weight)])
 
 
 _BITS = 15  # random bits per element of a CPU dropout mask
