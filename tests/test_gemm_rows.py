@@ -102,7 +102,7 @@ def test_padded_rows_of_a_layer_with_input_gradient(monkeypatch):
 def test_bfloat16_casts_match_float32_within_their_error(monkeypatch, sizes, in_feats, hidden,
                                                          classes):
     """``medium`` where torch computes float32 but the CPU multiplies bfloat16 (an AMD
-    Zen 4): SAGEConv rounds its operands itself (_LinearSumBf16), with bucketed rows.
+    Zen 4): SAGEConv rounds its operands itself (_LinearSumPacked), with bucketed rows.
     Forced here, on any CPU: the outputs and every parameter gradient are float32's within
     bfloat16's error, the dtypes stay float32, and layer-wise rows are num_dst."""
     blocks = _blocks(sizes, max_deg=7, seed=sizes[0])
@@ -112,8 +112,8 @@ def test_bfloat16_casts_match_float32_within_their_error(monkeypatch, sizes, in_
     labels = torch.randint(0, classes, (sizes[-1],))
     want_out, want_grads = _run(model, blocks, x, labels, 1)
     calls = []
-    real = model_mod._LinearSumBf16.forward
-    monkeypatch.setattr(model_mod._LinearSumBf16, "forward",
+    real = model_mod._LinearSumPacked.forward
+    monkeypatch.setattr(model_mod._LinearSumPacked, "forward",
                         staticmethod(lambda *a: calls.append(1) or real(*a)))
     monkeypatch.setattr(model_mod, "bf16_products",
                         lambda device: "cast" if device.type == "cpu" else None)

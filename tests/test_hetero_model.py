@@ -618,9 +618,11 @@ def test_typed_layers_either_order_and_bfloat16_operands(batch, name, monkeypatc
     loop and every relation aggregated first, plus the relations projected first where
     ``project_first`` finds that cheaper. Forced to aggregate every relation first, and to
     project every one first, the logits and all gradients are the same as the mixed default
-    (float32 rounding only). At ``medium`` where the CPU multiplies bfloat16 (the "cast"
-    route, forced here on any CPU) each sum is one bfloat16 product (``_LinearSumBf16``):
-    float32's outputs and gradients within bfloat16's error, all float32."""
+    (float32 rounding only). At ``medium`` (both routes forced here, on any CPU) each sum is
+    one product of the terms packed side by side with bucketed rows (``_LinearSumPacked``):
+    "cast" packs bfloat16, so float32's outputs and gradients within bfloat16's error;
+    "onednn" packs float32 (torch's medium rounds inside the product, and this process runs
+    at ``highest``), so float32's results; all float32, the buckets' rows dropped."""
     import trainer_client.hetero_model as hm
     import trainer_client.model as model_mod
 
@@ -643,20 +645,31 @@ def test_typed_layers_either_order_and_bfloat16_operands(batch, name, monkeypatc
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(hm, "project_first", real_pf)
-    calls = []
-    real = model_mod._LinearSumBf16.forward
-    monkeypatch.setattr(model_mod._LinearSumBf16, "forward",
-                        staticmethod(lambda *a: calls.append(1) or real(*a)))
-    monkeypatch.setattr(model_mod, "bf16_products",
-                        lambda device: "cast" if device.type == "cpu" else None)
-    out, got = _typed_run(model, mfg)
-    assert calls, "the typed layers did not take the bfloat16 route"
-    assert out.dtype == torch.float32
 
     def rel_err(a, b):
         return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
-    assert 0 < rel_err(out, want_out) < 2e-2
-    for k in want:
-        assert got[k].dtype == torch.float32
-        assert rel_err(got[k], want[k]) < 0.1, (k, rel_err(got[k], want[k]))
+    real = model_mod._LinearSumPacked.forward
+    for route in ("cast", "onednn"):
+        calls = []
+        monkeypatch.setattr(model_mod._LinearSumPacked, "forward", staticmethod(
+            lambda ctx, bias, padded, dtype, *xw: calls.append((padded, xw[0].shape[0], dtype))
+            or real(ctx, bias, padded, dtype, *xw)))
+        monkeypatch.setattr(model_mod, "bf16_products",
+                            lambda device, r=route: r if device.type == "cpu" else None)
+        out, got = _typed_run(model, mfg)
+        dtype = torch.bfloat16 if route == "cast" else torch.float32
+        assert calls and all(d == dtype and p >= max(r, 64) for p, r, d in calls), calls
+        assert any(p > r for p, r, _ in calls), calls  # rows bucketed
+        assert out.dtype == torch.float32 and out.shape == want_out.shape
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert got[k].dtype == torch.float32
+            if route == "onednn":
+                torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)
+            else:
+                assert rel_err(got[k], want[k]) < 0.1, (k, rel_err(got[k], want[k]))
+        if route == "onednn":
+            torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        else:
+            assert 0 < rel_err(out, want_out) < 2e-2

@@ -132,6 +132,24 @@ def test_four_parts_derived_features(mag, tmp_path):
     assert "drop --node-emb-dim" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.timeout(300)
+def test_typed_model_at_medium_precision(mag, tmp_path):
+    """``--matmul-precision medium`` with a typed model (hetero-sage): each destination
+    type's sum of products and the projections take this CPU's bfloat16 route (counted in
+    ``bf16_products_run``; none where the CPU has neither route) and training still learns."""
+    from trainer_client.model import medium_products
+
+    s = _summary(_run("deploy.worker_mode", [
+        "--parts", mag["p4_mean"], *TRAIN, "--num-trainers", 1, "--epochs", 2, "--model",
+        "hetero-sage", "--matmul-precision", "medium"], tmp_path, timeout=240))
+    assert s["model"] == "hetero-sage" and s["test_acc"] > BAR, s
+    route = medium_products()
+    assert s["matmul_precision"] == "medium" and s["bf16_products"] == route
+    assert s["bf16_products_run"] == ({} if route is None else
+                                      {route: s["bf16_products_run"][route]})
+    assert route is None or s["bf16_products_run"][route] > 0, s
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("args,needle", [
     (["--model", "sage"], "use --model rsage"),

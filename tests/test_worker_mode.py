@@ -103,6 +103,11 @@ def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path, model, bar):
     assert summary["matmul_precision"] == "medium"
     assert summary["bf16_products"] == medium_products()  # "cast" on an AMD Zen 4
     assert summary["gemm_row_buckets"] == (medium_products() is not None)
+    # the model's own products took that route (GAT's projections too), or none did
+    route = medium_products()
+    assert summary["bf16_products_run"] == ({} if route is None else
+                                            {route: summary["bf16_products_run"][route]})
+    assert route is None or summary["bf16_products_run"][route] > 0, summary
     assert summary["test_acc"] >= bar, summary
     _assert_clean(tmp_path, str(parts))
 

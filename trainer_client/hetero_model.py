@@ -32,6 +32,19 @@ parameters (one self loop and bias per relation), their initialisation and so th
 dynamics (Adam, weight decay) are DGL's. The self terms of the relations into a type are one
 matmul with the summed weights (the same function and gradients).
 
+How both compute a layer: a destination type's new state is one sum of products
+(:func:`trainer_client.model.linear_sum`, SAGEConv's kernel with n terms): its self term and,
+for each relation into it, the relation's mean (or sum) times its weight, accumulated into
+one output, with each weight gradient computed as ``(x^T grad)^T``. A relation whose sources
+are cheaper to project than to aggregate (:func:`trainer_client.model.project_first`'s cost
+rule, not DGL's ``in > out``) is projected (:func:`trainer_client.model.project`), aggregated
+and added instead. At ``--matmul-precision medium`` each sum is one product of the terms side
+by side with bucketed rows (bfloat16 on the ``"cast"`` route), and projections take the same
+route. The same function either way (tests/test_hetero_model.py); on the
+20,000-paper mag-shaped benchmark graph the step is 4-9 % shorter than with one ``nn.Linear``
+and ``addmm_`` per term, and 27-33 % shorter again at ``medium`` on an AMD EPYC (docs/benchmarks.md,
+"Issue 14, session 41").
+
 Node types may have different input widths: the first layer's linears take each type's own
 width, as DGL's bipartite SAGEConv does, so no input projection is needed. Between layers:
 ReLU and dropout; the output is the logits of the ``predict_ntype`` nodes (the MFG's seeds).
@@ -60,7 +73,13 @@ from torch import Tensor, nn
 
 from common.errors import ConfigError
 from common.mfg import CanonicalEtype, HeteroBlock, HeteroMFG
-from trainer_client.model import LayerwiseGNN, linear_sum, mean_aggregate, project_first
+from trainer_client.model import (
+    LayerwiseGNN,
+    linear_sum,
+    mean_aggregate,
+    project,
+    project_first,
+)
 
 __all__ = ["AGGREGATORS", "HETERO_SPEC_KEYS", "HETERO_MODELS", "RelGraphConv", "RelGraphSAGE",
            "HeteroSAGEConv", "HeteroSAGE", "TypedGNN", "check_hetero_spec",
@@ -131,7 +150,7 @@ class _TypedConv(nn.Module):
             return
         hs = self._src(rel, b, h)
         if project_first(b, self.in_dims[rel[0]], self.out_feats):
-            adds.append(aggregate(b, F.linear(hs, w), self.aggregator))
+            adds.append(aggregate(b, project(hs, w.t()), self.aggregator))
         else:
             terms.append((aggregate(b, hs, self.aggregator), w))
 

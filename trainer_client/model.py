@@ -108,7 +108,7 @@ def bf16_products(device: torch.device) -> str | None:
     (:func:`bf16_gemms_possible`: an Intel CPU with AMX), ``"cast"`` where it does not but
     the CPU has bfloat16 dot-product instructions (:func:`cpu_multiplies_bf16`: AMD Zen 4
     and later, Intel Cooper Lake), so that SAGEConv rounds the operands itself
-    (:class:`_LinearSumBf16`); None at ``highest`` / ``high``, off the CPU, or on a
+    (:class:`_LinearSumPacked`); None at ``highest`` / ``high``, off the CPU, or on a
     CPU without either."""
     if device.type != "cpu" or torch.get_float32_matmul_precision() != "medium":
         return None
@@ -263,63 +263,102 @@ class _LinearSum(torch.autograd.Function):
         return tuple(got)
 
 
-class _LinearSumBf16(torch.autograd.Function):
-    """:class:`_LinearSum` with bfloat16 operands, for ``--matmul-precision medium`` where
-    torch's ``medium`` computes float32 (:func:`bf16_products` ``"cast"``). The ``x_i`` are
-    rounded into one ``[rows, sum in_i]`` bfloat16 buffer (the rounding pass writes them side
-    by side for free) and the weights into one ``[out, sum in_i]``, so the forward is one
-    GEMM and so is the weights' gradient. oneDNN sums in float32; each product's output is
-    rounded to bfloat16 and widened back to float32, so activations, the mean, the loss and
-    the gradients handed on stay float32. Products are off by about 4e-3 of their size
-    (torch's ``medium``: 3e-3). The buffer saved for the backward is half the float32
-    inputs' size."""
+class _LinearSumPacked(torch.autograd.Function):
+    """:class:`_LinearSum` with the ``x_i`` side by side in one ``[padded, sum in_i]`` buffer
+    of ``dtype`` and the weights in one ``[out, sum in_i]``: the forward is one GEMM and so
+    is the weights' gradient. ``apply(bias, padded, dtype, x_1, W_1, ...)``; rows past the
+    ``x_i``'s (up to ``padded``, :func:`gemm_rows`'s bucket) are zeros going forward and back,
+    so they change nothing, and the output has the ``x_i``'s rows.
+
+    For ``--matmul-precision medium``. With ``dtype`` bfloat16 (the ``"cast"`` route of
+    :func:`bf16_products`, where torch's ``medium`` computes float32): filling the buffer
+    rounds the operands, oneDNN sums in float32, each product's output is rounded to
+    bfloat16 and widened back to float32, so activations, the mean, the loss and the
+    gradients handed on stay float32; products are off by about 4e-3 of their size (torch's
+    ``medium``: 3e-3), and the buffer saved for the backward is half the float32 inputs'
+    size. With ``dtype`` float32 (the ``"onednn"`` route), torch's ``medium`` rounds inside
+    the product; the buffer then only gives a typed layer's unpadded rows a bucketed shape."""
 
     @staticmethod
-    def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
+    def forward(ctx, bias: Tensor | None, padded: int, dtype: torch.dtype,
+                *xw: Tensor) -> Tensor:
         xs, ws = xw[0::2], xw[1::2]
-        widths = [x.shape[1] for x in xs]
-        x = torch.empty((xs[0].shape[0], sum(widths)), dtype=torch.bfloat16,
-                        device=xs[0].device)
+        rows, widths = xs[0].shape[0], [x.shape[1] for x in xs]
+        x = torch.empty((padded, sum(widths)), dtype=dtype, device=xs[0].device)
         at = 0
         for xi, k in zip(xs, widths):
-            x[:, at:at + k] = xi
+            x[:rows, at:at + k] = xi
             at += k
-        w = torch.cat(ws, 1).to(torch.bfloat16)
-        out = torch.mm(x, w.t()).float()
+        x[rows:] = 0
+        w = torch.cat(ws, 1).to(dtype)
+        out = torch.mm(x, w.t())
+        if padded != rows:
+            out = out[:rows]
+        # a tensor of its own (a view of the product would forbid the in-place ReLU after)
+        out = out.float() if dtype != torch.float32 else out.clone() if padded != rows else out
         if bias is not None:
             out += bias
         ctx.save_for_backward(x, w)
-        ctx.widths, ctx.has_bias = widths, bias is not None
+        ctx.widths, ctx.rows, ctx.has_bias = widths, rows, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, w = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        g = grad.to(torch.bfloat16)
-        gx = g.mm(w) if any(need[1::2]) else None  # [rows, sum in_i]
-        gw = x.t().mm(g).t().float() if any(need[2::2]) else None  # [out, sum in_i]
-        got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
+        need, rows = ctx.needs_input_grad, ctx.rows
+        g = torch.empty((x.shape[0], grad.shape[1]), dtype=x.dtype, device=grad.device)
+        g[:rows] = grad
+        g[rows:] = 0
+        gx = g.mm(w)[:rows] if any(need[3::2]) else None  # [rows, sum in_i]
+        gw = x.t().mm(g).t().float() if any(need[4::2]) else None  # [out, sum in_i]
+        got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None,
+                                    None, None]
         at = 0
         for i, k in enumerate(ctx.widths):
-            got.append(gx[:, at:at + k].float() if need[1 + 2 * i] else None)  # type: ignore[index]
-            got.append(gw[:, at:at + k].contiguous() if need[2 + 2 * i] else None)  # type: ignore[index]
+            got.append(gx[:, at:at + k].float() if need[3 + 2 * i] else None)  # type: ignore[index]
+            got.append(gw[:, at:at + k].contiguous() if need[4 + 2 * i] else None)  # type: ignore[index]
             at += k
         return tuple(got)
 
 
+#: how many of this process's model products took each bfloat16 route (``"cast"``,
+#: ``"onednn"``) through :func:`linear_sum` and :func:`project`, every model's layers
+#: (GraphSAGE, GCN, GAT, rsage, hetero-sage): the trainer's summary reports it as
+#: ``bf16_products_run``, what a model did rather than what the device offers
+#: (``bf16_products``)
+PRODUCTS_RUN: dict[str, int] = {}
+
+
+def _count(route: str) -> None:
+    PRODUCTS_RUN[route] = PRODUCTS_RUN.get(route, 0) + 1
+
+
 def linear_sum(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> Tensor:
     """``bias + sum x W^T`` over ``terms`` (``(x, W)``, ``W``: ``[out, in]`` as in
-    nn.Linear; every ``x`` with the same rows) by :class:`_LinearSum`, or at ``medium`` on
-    the ``"cast"`` route (:func:`bf16_products`) by :class:`_LinearSumBf16`."""
-    fn = _LinearSumBf16 if bf16_products(terms[0][0].device) == "cast" else _LinearSum
-    return fn.apply(bias, *(t for term in terms for t in term))
+    nn.Linear; every ``x`` with the same rows). Where the products run in bfloat16
+    (:func:`bf16_products`), rows are bucketed (:func:`gemm_rows`; SAGEConv's come
+    bucketed already) and the terms packed (:class:`_LinearSumPacked`): on the ``"cast"``
+    route always, in bfloat16; on the ``"onednn"`` route in float32 where rows need a
+    bucket (a typed layer's), else as at float32, by :class:`_LinearSum`."""
+    x0 = terms[0][0]
+    route = bf16_products(x0.device)
+    flat = [t for term in terms for t in term]
+    if route is None:
+        return _LinearSum.apply(bias, *flat)
+    _count(route)
+    rows = x0.shape[0]
+    padded = gemm_rows(rows, x0.device)
+    if route == "cast":
+        return _LinearSumPacked.apply(bias, padded, torch.bfloat16, *flat)
+    if padded != rows:
+        return _LinearSumPacked.apply(bias, padded, torch.float32, *flat)
+    return _LinearSum.apply(bias, *flat)
 
 
 class _MatmulBf16(torch.autograd.Function):
     """``x @ w`` (``w``: ``[in, out]``) with both operands rounded to bfloat16 and float32
     results, for the ``"cast"`` route (:func:`bf16_products`): what
-    :class:`_LinearSumBf16` does for SAGEConv, for one projection (GCN, GAT). The rows
+    :class:`_LinearSumPacked` does for SAGEConv, for one projection (GCN, GAT). The rows
     go into a ``[padded, in]`` bfloat16 buffer whose extra rows are zeros, and the gradient
     into one of the same rows, so every product has a bucketed shape (:func:`gemm_rows`);
     the padded rows contribute nothing to the weight gradient. The input gradient and the
@@ -355,6 +394,7 @@ def project(x: Tensor, w: Tensor) -> Tensor:
     route = bf16_products(x.device)
     if route is None:
         return x @ w
+    _count(route)
     rows = x.shape[0]
     padded = gemm_rows(rows, x.device)
     if route == "cast":

@@ -77,7 +77,7 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.model import bf16_products, gemm_buckets
+from trainer_client.model import PRODUCTS_RUN, bf16_products, gemm_buckets
 from trainer_client.models import (
     build_model,
     build_optimizer,
@@ -915,6 +915,9 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "matmul_precision": torch.get_float32_matmul_precision(),
         "bf16_products": bf16_products(device),
         "gemm_row_buckets": gemm_buckets(device),
+        # how many of this trainer's model products (training and evaluation) took each of
+        # those routes: what the model did, not only what the device offers
+        "bf16_products_run": dict(PRODUCTS_RUN),
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
                      "bursts": run.train_loader.stats.bursts},
