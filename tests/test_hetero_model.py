@@ -653,8 +653,8 @@ def test_typed_layers_either_order_and_bfloat16_operands(batch, name, monkeypatc
     for route in ("cast", "onednn"):
         calls = []
         monkeypatch.setattr(model_mod._LinearSumPacked, "forward", staticmethod(
-            lambda ctx, bias, padded, dtype, *xw: calls.append((padded, xw[0].shape[0], dtype))
-            or real(ctx, bias, padded, dtype, *xw)))
+            lambda ctx, bias, padded, dtype, *xw, calls=calls:
+            calls.append((padded, xw[0].shape[0], dtype)) or real(ctx, bias, padded, dtype, *xw)))
         monkeypatch.setattr(model_mod, "bf16_products",
                             lambda device, r=route: r if device.type == "cpu" else None)
         out, got = _typed_run(model, mfg)
