@@ -162,7 +162,7 @@ MATMUL_PRECISION_HELP = (
     "GPU (Ampere or later) use TF32 and changes nothing on a CPU; medium also multiplies in "
     "bfloat16 with float32 sums on a CPU with bfloat16 instructions: through torch on one "
     "with AMX (Intel Sapphire Rapids and later), through the model's own casts on one with "
-    "AVX512-BF16 only (AMD Zen 4 and later; sage, gcn and gat), the seed model's step about "
+    "AVX512-BF16 only (AMD Zen 4 and later; every model), the seed model's step about "
     "1.5x faster on "
     "either (docs/tuning.md); elsewhere it changes nothing. Not float32's results: each "
     "product is off by about 3e-3 of its size, and a run's losses and accuracy move by what "
