@@ -172,7 +172,7 @@ def run(cfg: InferConfig) -> dict:
     finally:
         pool.close()
     full, layer_s = index["full_graph"], index["layer_s"]
-    from trainer_client.model import bf16_products
+    from trainer_client.model import PRODUCTS_RUN, bf16_products
 
     return {
         "out": str(out), "index": str(out / "index.json"),
@@ -183,7 +183,10 @@ def run(cfg: InferConfig) -> dict:
         "nodes_per_s": round(index["num_nodes"] / max(sum(layer_s), 1e-9), 1),
         "export_s": round(export_s, 3), "wall_s": round(time.perf_counter() - t0, 3),
         "device": str(device), "matmul_precision": torch.get_float32_matmul_precision(),
-        "bf16_products": bf16_products(device),  # trainer_client/model.py (SAGEConv's)
+        # the route the device offers (trainer_client/model.py), and how many of the model's
+        # products took each route in this process
+        "bf16_products": bf16_products(device),
+        "bf16_products_run": dict(PRODUCTS_RUN),
     }
 
 

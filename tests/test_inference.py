@@ -245,6 +245,10 @@ def test_bfloat16_matmuls_match_whole_graph_within_their_error(cora, tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["matmul_precision"] == "medium"
     assert summary["bf16_products"] == medium_products()
+    route = medium_products()  # the model's products took it, or none did
+    assert summary["bf16_products_run"] == ({} if route is None else
+                                            {route: summary["bf16_products_run"][route]})
+    assert route is None or summary["bf16_products_run"][route] > 0, summary
     _, got = _load_outputs(out)
     ref = g.layers(model)[-1]
     err = np.abs(got["logits"] - ref.numpy()).max() / np.abs(ref.numpy()).max()
