@@ -915,8 +915,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "matmul_precision": torch.get_float32_matmul_precision(),
         "bf16_products": bf16_products(device),
         "gemm_row_buckets": gemm_buckets(device),
-        # how many of this trainer's model products (training and evaluation) took each of
-        # those routes: what the model did, not only what the device offers
+        # how many of this rank's model products (training and evaluation) took each of
+        # those routes in this run: what the model did, not only what the device offers
         "bf16_products_run": dict(PRODUCTS_RUN),
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
@@ -967,6 +967,7 @@ def _ring_summary(run: Run, ring) -> dict | None:
 
 def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> dict:
     t_start = time.perf_counter()
+    PRODUCTS_RUN.clear()  # the summary counts this run's products only
     device = _init_ddp(cfg, ddp)
     ring = pool = None
     try:
