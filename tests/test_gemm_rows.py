@@ -146,7 +146,7 @@ def test_gcn_and_gat_projections_take_the_medium_route(monkeypatch, name, route)
     """gcn's and gat's projections go through model.project at ``medium``. Forced to
     ``"onednn"`` at this process's float32 precision, rows are bucketed and the outputs and
     gradients are the unpadded ones within float32 rounding. Forced to ``"cast"`` (bfloat16
-    operands, bucketed rows: _MatmulBf16), they are float32's within bfloat16's error, and
+    operands, bucketed rows: _LinearSumPacked), they are float32's within bfloat16's error, and
     stay float32. Layer-wise inference gives num_dst rows either way."""
     from trainer_client.models import build_model
 
@@ -162,10 +162,10 @@ def test_gcn_and_gat_projections_take_the_medium_route(monkeypatch, name, route)
     labels = torch.randint(0, 7, (sizes[-1],))
     want_out, want_grads = _run(model, blocks, x, labels, 1)
     padded, casts = [], []
-    real_rows, real_cast = model_mod.gemm_rows, model_mod._MatmulBf16.forward
+    real_rows, real_cast = model_mod.gemm_rows, model_mod._LinearSumPacked.forward
     monkeypatch.setattr(model_mod, "gemm_rows", lambda n, d: padded.append(n) or real_rows(n, d))
     monkeypatch.setattr(model_mod, "gemm_buckets", lambda device: device.type == "cpu")
-    monkeypatch.setattr(model_mod._MatmulBf16, "forward",
+    monkeypatch.setattr(model_mod._LinearSumPacked, "forward",
                         staticmethod(lambda *a: casts.append(1) or real_cast(*a)))
     monkeypatch.setattr(model_mod, "bf16_products",
                         lambda device: route if device.type == "cpu" else None)

@@ -277,7 +277,9 @@ class _LinearSumPacked(torch.autograd.Function):
     gradients handed on stay float32; products are off by about 4e-3 of their size (torch's
     ``medium``: 3e-3), and the buffer saved for the backward is half the float32 inputs'
     size. With ``dtype`` float32 (the ``"onednn"`` route), torch's ``medium`` rounds inside
-    the product; the buffer then only gives a typed layer's unpadded rows a bucketed shape."""
+    the product; the buffer then only gives a typed layer's unpadded rows a bucketed shape.
+    :func:`linear_sum` uses it for SAGEConv's and the typed layers' sums, :func:`project`
+    (one term, bfloat16) for GCN's and GAT's projections."""
 
     @staticmethod
     def forward(ctx, bias: Tensor | None, padded: int, dtype: torch.dtype,
@@ -292,10 +294,11 @@ class _LinearSumPacked(torch.autograd.Function):
         x[rows:] = 0
         w = torch.cat(ws, 1).to(dtype)
         out = torch.mm(x, w.t())
-        if padded != rows:
-            out = out[:rows]
         # a tensor of its own (a view of the product would forbid the in-place ReLU after)
-        out = out.float() if dtype != torch.float32 else out.clone() if padded != rows else out
+        if dtype != torch.float32:
+            out = out[:rows].float()
+        elif padded != rows:
+            out = out[:rows].clone()
         if bias is not None:
             out += bias
         ctx.save_for_backward(x, w)
@@ -355,42 +358,12 @@ def linear_sum(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> Tenso
     return _LinearSum.apply(bias, *flat)
 
 
-class _MatmulBf16(torch.autograd.Function):
-    """``x @ w`` (``w``: ``[in, out]``) with both operands rounded to bfloat16 and float32
-    results, for the ``"cast"`` route (:func:`bf16_products`): what
-    :class:`_LinearSumPacked` does for SAGEConv, for one projection (GCN, GAT). The rows
-    go into a ``[padded, in]`` bfloat16 buffer whose extra rows are zeros, and the gradient
-    into one of the same rows, so every product has a bucketed shape (:func:`gemm_rows`);
-    the padded rows contribute nothing to the weight gradient. The input gradient and the
-    weight gradient come back in float32."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, padded: int) -> Tensor:
-        rows = x.shape[0]
-        xb = torch.empty((padded, x.shape[1]), dtype=torch.bfloat16, device=x.device)
-        xb[:rows] = x
-        xb[rows:] = 0
-        wb = w.to(torch.bfloat16)
-        ctx.save_for_backward(xb, wb)
-        ctx.rows = rows
-        return torch.mm(xb, wb)[:rows].float()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        xb, wb = ctx.saved_tensors
-        rows, need = ctx.rows, ctx.needs_input_grad
-        g = torch.empty((xb.shape[0], grad.shape[1]), dtype=torch.bfloat16, device=grad.device)
-        g[:rows] = grad
-        g[rows:] = 0
-        return (g.mm(wb.t())[:rows].float() if need[0] else None,
-                xb.t().mm(g).float() if need[1] else None, None)
-
-
 def project(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w`` (``w``: ``[in, out]``) for a model's projection, by the route
     :func:`bf16_products` gives ``x``'s device: float32 (the default), torch's ``medium``
     with the rows bucketed (``"onednn"``), or bfloat16 operands with the rows bucketed
-    (``"cast"``, :class:`_MatmulBf16`). Always ``[rows of x, out]``, float32."""
+    (``"cast"``: :class:`_LinearSumPacked`'s one-term case, bfloat16 operands). Always
+    ``[rows of x, out]``, float32."""
     route = bf16_products(x.device)
     if route is None:
         return x @ w
@@ -398,7 +371,7 @@ def project(x: Tensor, w: Tensor) -> Tensor:
     rows = x.shape[0]
     padded = gemm_rows(rows, x.device)
     if route == "cast":
-        return _MatmulBf16.apply(x, w, padded)
+        return _LinearSumPacked.apply(None, padded, torch.bfloat16, x, w.t())
     return (_leading_rows(x, rows, padded) @ w)[:rows]
 
 
