@@ -72,12 +72,14 @@ def load_multilabel_graph(parts_dir: str | Path):
     return fg.g, {"train": fg.train, "valid": fg.valid, "test": fg.test}, meta
 
 
-def _loader(g, seeds: Tensor, fanouts: list[int], batch_size: int, shuffle: bool):
+def _loader(g, seeds: Tensor, fanouts: list[int], batch_size: int, shuffle: bool,
+            num_workers: int = 0):
     dgl = import_dgl()
     sampler = dgl.dataloading.NeighborSampler(list(fanouts), prefetch_node_feats=["feat"],
                                               prefetch_labels=["label"])
     return dgl.dataloading.DataLoader(g, seeds, sampler, batch_size=batch_size,
-                                      shuffle=shuffle, drop_last=False, num_workers=0)
+                                      shuffle=shuffle, drop_last=False, num_workers=num_workers,
+                                      persistent_workers=num_workers > 0)
 
 
 @torch.no_grad()
@@ -94,8 +96,10 @@ def train_dgl_multilabel(parts_dir: str | Path, fanouts: list[int], batch_size: 
                          epochs: int, hidden: int = 256, dropout: float = 0.5,
                          lr: float = 3e-3, weight_decay: float = 5e-4, seed: int = 0,
                          eval_batch_size: int = 1024,
-                         num_threads: int | None = None) -> dict:
-    """Train and evaluate the DGL reference (module docstring); returns its figures."""
+                         num_threads: int | None = None, num_workers: int = 0) -> dict:
+    """Train and evaluate the DGL reference (module docstring); returns its figures.
+    ``num_workers``: the DataLoader's sampling processes (0: in this process), for training
+    and evaluation alike."""
     dgl = import_dgl()
     t0 = time.perf_counter()
     g, splits, meta = load_multilabel_graph(parts_dir)
@@ -104,10 +108,11 @@ def train_dgl_multilabel(parts_dir: str | Path, fanouts: list[int], batch_size: 
     with torch_and_dgl_threads(num_threads):
         torch.manual_seed(seed)
         dgl.seed(seed)
+        threads = torch.get_num_threads()
         model = DGLGraphSAGE(meta.feat_dim, hidden, meta.num_tasks, len(fanouts), dropout)
         opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-        train = _loader(g, splits["train"], fanouts, batch_size, True)
-        evals = {s: _loader(g, splits[s], fanouts, eval_batch_size, False)
+        train = _loader(g, splits["train"], fanouts, batch_size, True, num_workers)
+        evals = {s: _loader(g, splits[s], fanouts, eval_batch_size, False, num_workers)
                  for s in ("valid", "test")}
         best = {"valid_rocauc": -1.0, "test_rocauc": 0.0, "epoch": -1}
         history, train_s, seeds = [], 0.0, 0
@@ -135,7 +140,8 @@ def train_dgl_multilabel(parts_dir: str | Path, fanouts: list[int], batch_size: 
     return {"system": "dgl", "dataset": meta.dataset, "num_tasks": meta.num_tasks,
             "valid_rocauc": round(best["valid_rocauc"], 4),
             "test_rocauc": round(best["test_rocauc"], 4), "best_epoch": best["epoch"],
-            "epochs": epochs, "train_s": round(train_s, 3),
+            "epochs": epochs, "num_workers": num_workers, "dropout": dropout,
+            "num_threads": threads, "train_s": round(train_s, 3),
             "seeds_per_s": round(seeds / max(train_s, 1e-9), 1), "load_s": round(load_s, 3),
             "history": history}
 

@@ -59,9 +59,9 @@ step tests 200 "$PY" -m pytest -q -p no:cacheprovider "${TEST_FILES[@]}" \
   -k "cuda or pin_memory or threads_cover or default_synthetic"
 
 COMMON=(--family products,rmat --train-frac 0.1 --epochs 2 --device cuda
-        --skip dgl-sample,server,ddp,step,datapath,limits,wire,hetero
+        --skip dgl-sample,server,ddp,step,datapath,limits,wire,hetero,multilabel
         --worker-servers 4 --server-workers 3 --inflight 8)
-WORKER_ONLY=(--skip dgl-train,dgl-sample,server,ddp,step,datapath,limits,wire,hetero)
+WORKER_ONLY=(--skip dgl-train,dgl-sample,server,ddp,step,datapath,limits,wire,hetero,multilabel)
 # 2. the headline on the GPU: seed model, DGL's GPU recipe (its default threads, its best) vs
 #    worker mode (a GPU trainer's default: 1 torch thread). DGL_WORKERS=0,1,4 adds DataLoader
 #    workers: 3-4x slower than 0 on an H200 machine in session 34

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.report import REPO, logger
+from benchmarks.report import REPO, cached_parts, logger
 
 log = logger("hetero")
 
@@ -36,23 +36,12 @@ log = logger("hetero")
 def mag_parts(cache_dir: str, papers: int, seed: int) -> Path:
     """The cached 1-part typed set of ``papers`` papers (made on first use)."""
     root = Path(cache_dir) / f"mag-{papers}p-s{seed}"
-    parts = root / "parts1"
-    if (parts / "metadata.json").is_file():
-        return parts
-    raw = root / "raw"
-    root.mkdir(parents=True, exist_ok=True)
-    cli = [sys.executable, "-m", "partition.cli", "--no-progress", "--seed", str(seed)]
-    for argv in ([*cli, "--dataset", "synthetic-mag", "--num-nodes", str(papers),
-                  "--raw-out", str(raw), "--force"],
-                 [*cli, "--dataset-dir", str(raw), "--add-reverse-edges",
-                  "--derive-features", "mean", "--num-parts", "1", "--out", str(parts),
-                  "--force"]):
-        log(" ".join(argv[1:]))
-        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[1:4])} exited {proc.returncode}: "
-                               f"{proc.stderr[-2000:]}")
-    return parts
+    raw, parts = root / "raw", root / "parts1"
+    return cached_parts(parts, [
+        ["--dataset", "synthetic-mag", "--num-nodes", str(papers), "--raw-out", str(raw),
+         "--force"],
+        ["--dataset-dir", str(raw), "--add-reverse-edges", "--derive-features", "mean",
+         "--num-parts", "1", "--out", str(parts), "--force"]], log, seed)
 
 
 def worker_rsage(parts: Path, args: argparse.Namespace, fanouts: list[int]) -> dict:

@@ -38,6 +38,25 @@ def logger(tag: str) -> Callable[[str], None]:
     return log
 
 
+def cached_parts(parts: Path, commands: list[list[str]], log: Callable[[str], None],
+                 seed: int) -> Path:
+    """``parts`` (a partition set directory) as made by ``commands`` (``partition-ogbn``'s
+    arguments, run in order with ``--no-progress --seed seed``), made only where its
+    ``metadata.json`` is not there yet; a failed command raises with its stderr's end."""
+    if (parts / "metadata.json").is_file():
+        return parts
+    parts.parent.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "partition.cli", "--no-progress", "--seed", str(seed)]
+    for args in commands:
+        argv = [*cli, *args]
+        log(" ".join(argv[1:]))
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[1:4])} exited {proc.returncode}: "
+                               f"{proc.stderr[-2000:]}")
+    return parts
+
+
 def machine_info() -> dict:
     import numpy as np
     import torch

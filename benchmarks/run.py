@@ -26,7 +26,10 @@ Measurements per family, in this order (each can be skipped with ``--skip``):
 * ``step`` (each dropout), ``datapath``, ``limits``: ``benchmarks.<name>.run_step(parts,
   args)``, their figures as they return them;
 
-and once per run ``wire`` (the codec against raw zmq frames, no graph).
+and once per run ``wire`` (the codec against raw zmq frames, no graph), ``hetero`` (a
+mag-shaped typed graph, :mod:`benchmarks.hetero`) and ``multilabel`` (an ogbn-proteins-shaped
+graph with 112 binary tasks, the seed model on both sides, ``--rounds`` pairs:
+:mod:`benchmarks.multilabel`).
 
 ``--rounds N`` (N > 1) measures the end-to-end training rows (``dgl-train`` and ``worker``,
 each dropout) N times per family, alternating which side goes first: round 1 is the order
@@ -78,7 +81,7 @@ from common.config import MATMUL_PRECISIONS, PREFETCH_MODES
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
-         "wire", "hetero")
+         "wire", "hetero", "multilabel")
 FAMILIES = ("products", "rmat")
 MODULE_STEPS = ("step", "datapath", "limits")  # benchmarks.<name>.run_step(parts, args)
 LR, WEIGHT_DECAY = 3e-3, 5e-4  # Adam, both sides (mfgserve trainer's defaults)
@@ -267,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks.hetero import add_args as hetero_args
 
     hetero_args(p)
+    from benchmarks.multilabel import add_args as multilabel_args
+
+    multilabel_args(p)
     p.add_argument("--skip", type=_skip_list, default=[],
                    help=f"comma-separated steps to skip: {', '.join(STEPS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
@@ -394,8 +400,8 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
         summary = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError) as e:
         raise RuntimeError(f"worker-mode printed no JSON summary as its last line: {e}") from e
-    keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "best_epoch", "final_loss",
-            "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
+    keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "test_rocauc", "valid_rocauc",
+            "best_epoch", "final_loss", "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
             "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
             "prefetch", "omp_wait_policy", "device", "h2d_hidden_share")
     res = {k: summary[k] for k in keep if k in summary}
@@ -835,6 +841,25 @@ def print_table(summary: dict) -> None:
                          ("ratio vs HeteroGraphConv", _fmt(h.get("ratio_vs_heteroconv")), "")])
     elif "hetero" in summary["errors"]:
         out.append(f"\nhetero: FAILED {summary['errors']['hetero'].splitlines()[0][:80]}")
+    ml = summary.get("multilabel")
+    if ml:
+        g = ml["graph"]
+        out.append(f"\nmulti-label ({g['dataset']}: {g['nodes']:,} nodes, {g['edges']:,} edges, "
+                   f"{g['num_tasks']} tasks, {g['num_train']:,} train seeds; {ml['epochs']} "
+                   f"epochs, {row_label(ml['dropout'])}):")
+        rows = [("round (first)", "DGL best", "mfgserve", "ratio", "test ROC-AUC DGL / ours")]
+        for r in ml["rounds"]:
+            d = r["dgl"][r["dgl_best_workers"]]
+            rows.append((f"{r['round']} ({r['first']})",
+                         f"{_fmt(d['seeds_per_s'])} (w{r['dgl_best_workers']})",
+                         _fmt(r["mfgserve"]["seeds_per_s"]), _fmt(r["ratio"]),
+                         f"{d['test_rocauc']:.4f} / {r['mfgserve']['test_rocauc']:.4f}"))
+        rows.append(("median", _fmt(ml["dgl_seeds_per_s"]), _fmt(ml["mfgserve_seeds_per_s"]),
+                     _fmt(ml["ratio"]), f"diff {ml['test_rocauc_diff']:+.4f}"))
+        out += _columns(rows)
+    elif "multilabel" in summary["errors"]:
+        out.append(f"\nmultilabel: FAILED "
+                   f"{summary['errors']['multilabel'].splitlines()[0][:80]}")
     print("\n".join(out) + "\n", file=sys.stderr, flush=True)
 
 
@@ -872,6 +897,8 @@ def run_config(args: argparse.Namespace, families: list[str], sample_batches: in
             "synthetic_nodes": None if args.parts else args.synthetic_nodes,
             "hetero": {"papers": args.hetero_papers, "epochs": args.hetero_epochs,
                        "fanouts": args.hetero_fanouts},
+            "multilabel": {"nodes": args.multilabel_nodes, "degree": args.multilabel_degree,
+                           "epochs": args.multilabel_epochs},
             "rmat": {q: getattr(args, f"rmat_{q}") for q in ("a", "b", "c", "noise")}}
 
 
@@ -943,6 +970,14 @@ def main(argv: list[str] | None = None) -> int:
         if got is not None:
             hetero = {**got[0], "loadavg_1m": got[1]}
 
+    multilabel = None
+    if "multilabel" not in args.skip:
+        from benchmarks.multilabel import measure_multilabel
+
+        got = steps._attempt("multilabel", lambda: measure_multilabel(args))
+        if got is not None:
+            multilabel = {**got[0], "loadavg_1m": got[1]}
+
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     ratios = {f: compute_ratios(steps.results.get(f, {}), args, steps.module_results.get(f, []))
               for f in families if f in graphs}
@@ -958,7 +993,8 @@ def main(argv: list[str] | None = None) -> int:
                "ratios": ratios, "headline": headline,
                "comparison": comparison_rows({f: steps.results.get(f, {}) for f in graphs},
                                              ratios, args),
-               "wire": wire, "hetero": hetero, "errors": steps.errors,
+               "wire": wire, "hetero": hetero, "multilabel": multilabel,
+               "errors": steps.errors,
                "wall_s": round(time.perf_counter() - t_start, 1),
                "command": command_line("benchmarks.run", argv)}
     emit_summary(summary, args.out, print_table)

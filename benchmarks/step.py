@@ -84,13 +84,16 @@ def _fresh_dgl_blocks(dgl_blocks) -> list:
     return out
 
 
-def _step(model, opt, blocks, x, y, autocast: bool = False) -> None:
+def _step(model, opt, blocks, x, y, autocast: bool = False, task=None) -> None:
     """One training step; ``autocast``: its forward under ``torch.autocast("cpu",
     bfloat16)``, a context per step as a training loop has it (DGL's own route to bfloat16
-    products)."""
+    products). ``task``: a multi-label set's (:class:`trainer_client.metrics.Task`: binary
+    cross-entropy over the labelled entries, as the trainer's); None: cross-entropy."""
+    from trainer_client.metrics import loss_fn
+
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
         logits = model(blocks, x)
-        loss = F.cross_entropy(logits, y)
+        loss = F.cross_entropy(logits, y) if task is None else loss_fn(task, logits.float(), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -118,14 +121,22 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
 
     if num_threads:
         torch.set_num_threads(num_threads)
+    from partition.layout import PartitionSetMeta
+    from trainer_client.metrics import TASK_METRICS, Task
+
     fg = load_full_graph(parts)
+    meta = PartitionSetMeta.load(parts)
+    # a multi-label set: one logit per task and the trainer's binary cross-entropy, both sides
+    task = (Task("binary", meta.num_tasks, TASK_METRICS["binary"])
+            if meta.task_type == "binary" else None)
+    outputs = fg.num_classes if task is None else meta.num_tasks
     t0 = time.perf_counter()
     data = _sample_batches(fg, fanouts, batch_size, batches, seed)
     sample_s = time.perf_counter() - t0
     torch.manual_seed(seed)
-    ours = GraphSAGE(fg.feat_dim, hidden, fg.num_classes, len(fanouts), dropout)
+    ours = GraphSAGE(fg.feat_dim, hidden, outputs, len(fanouts), dropout)
     torch.manual_seed(seed)
-    theirs = DGLGraphSAGE(fg.feat_dim, hidden, fg.num_classes, len(fanouts), dropout)
+    theirs = DGLGraphSAGE(fg.feat_dim, hidden, outputs, len(fanouts), dropout)
     sides = {
         "mfgserve": (ours, build_optimizer(ours.parameters(), 3e-3, 5e-4), _our_blocks),
         "dgl": (theirs, torch.optim.Adam(theirs.parameters(), lr=3e-3, weight_decay=5e-4),
@@ -140,12 +151,13 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
                 model.train()
                 mine = convert(blocks)
                 t, c = time.perf_counter(), time.process_time()
-                _step(model, opt, mine, x, y, cast[name])
+                _step(model, opt, mine, x, y, cast[name], task)
                 if rep > 0 or repeats == 1:
                     times[name].append(time.perf_counter() - t)
                     cpu[name].append(time.process_time() - c)
     res = {
-        "batches": batches, "timed_steps": len(times["dgl"]), "num_threads":
+        "batches": batches, "task_type": meta.task_type, "outputs": outputs,
+        "timed_steps": len(times["dgl"]), "num_threads":
         torch.get_num_threads(), "dropout": dropout, "dgl_autocast": dgl_autocast,
         "sample_s": round(sample_s, 2),
         "input_nodes_per_batch": round(sum(b[0].num_src_nodes() for b, _, _ in data)
@@ -163,7 +175,8 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
         blocks, x, y = data[0]
         for name, (model, opt, convert) in sides.items():
             res[f"{name}_profile"] = _profile(
-                lambda m=model, o=opt, c=convert, a=cast[name]: _step(m, o, c(blocks), x, y, a),
+                lambda m=model, o=opt, c=convert, a=cast[name]: _step(m, o, c(blocks), x, y, a,
+                                                                      task),
                 profile_rows)
     return res
 

@@ -26,7 +26,7 @@ def summary(tmp_path_factory):
     argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "20000",
             "--max-batches", "3", "--family", "products", "--dropout", "0,0.5",
             "--dgl-workers", "0", "--rounds", "2",
-            "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero",
+            "--skip", "dgl-sample,server,wire,step,datapath,limits,hetero,multilabel",
             "--cache-dir", str(tmp / "cache"), "--worker-work-dir", str(tmp / "wm"),
             "--worker-timeout-s", "200", "--out", str(tmp / "out.json")]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
@@ -158,7 +158,8 @@ def test_hetero_step_both_sides_on_one_typed_graph(tmp_path):
     reported (no timing asserted)."""
     argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "2000",
             "--family", "products", "--dgl-workers", "0",
-            "--skip", "dgl-train,dgl-sample,server,worker,ddp,wire,step,datapath,limits",
+            "--skip", "dgl-train,dgl-sample,server,worker,ddp,wire,step,datapath,limits,"
+            "multilabel",
             "--hetero-papers", "1500", "--hetero-epochs", "1", "--hetero-fanouts", "5,5",
             "--batch-size", "256", "--hidden", "32",
             "--cache-dir", str(tmp_path / "cache"), "--worker-timeout-s", "200"]
@@ -177,6 +178,45 @@ def test_hetero_step_both_sides_on_one_typed_graph(tmp_path):
     assert 0 <= h["dgl"]["test_acc"] <= 1 and 0 <= h["mfgserve"]["test_acc"] <= 1
     assert h["ratio"] > 0 and h["acc_diff"] is not None
     assert "heterogeneous (1,500-paper" in proc.stderr
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_multilabel_step_pairs_both_sides_on_one_proteins_shaped_graph(tmp_path):
+    """The multi-label step alone: DGL's pipeline (its best over --dgl-workers) and worker
+    mode train the seed model on the same generated proteins-shaped set (112 binary tasks),
+    in two rounds with the first side alternating; the ratio is the median of the rounds'
+    ratios and each side's test ROC-AUC is reported (no timing asserted)."""
+    argv = [sys.executable, "-m", "benchmarks.run", "--synthetic-nodes", "2000",
+            "--family", "products", "--dgl-workers", "0,1", "--rounds", "2",
+            "--skip", "dgl-train,dgl-sample,server,worker,ddp,wire,step,datapath,limits,"
+            "hetero",
+            "--multilabel-nodes", "2000", "--multilabel-degree", "20",
+            "--multilabel-epochs", "1", "--fanouts", "5,5", "--batch-size", "256",
+            "--hidden", "32", "--cache-dir", str(tmp_path / "cache"),
+            "--worker-timeout-s", "200"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["errors"] == {}
+    ml = out["multilabel"]
+    g = ml["graph"]
+    assert g["nodes"] == 2000 and g["num_tasks"] == 112 and g["feat_dim"] == 8
+    assert ml["dropout"] == 0.0 and ml["fanouts"] == [5, 5] and ml["epochs"] == 1
+    assert [r["first"] for r in ml["rounds"]] == ["DGL", "mfgserve"]
+    for r in ml["rounds"]:
+        assert set(r["dgl"]) == {"0", "1"}  # each --dgl-workers value (JSON keys)
+        for w, d in r["dgl"].items():
+            assert d["num_workers"] == int(w) and d["dropout"] == 0.0
+            assert d["seeds_per_s"] > 0 and 0 <= d["test_rocauc"] <= 1
+        best = max(r["dgl"].values(), key=lambda d: d["seeds_per_s"])
+        m = r["mfgserve"]
+        assert m["exit_code"] == 0 and m["dropout"] == 0.0 and m["seeds_per_s"] > 0
+        assert 0 <= m["test_rocauc"] <= 1
+        assert r["ratio"] == round(m["seeds_per_s"] / best["seeds_per_s"], 3)
+    assert ml["round_ratios"] == [r["ratio"] for r in ml["rounds"]]
+    assert ml["ratio"] == pytest.approx(sum(ml["round_ratios"]) / 2)  # median of two
+    assert "multi-label (synthetic-proteins-2000: 2,000 nodes" in proc.stderr
 
 
 def test_a_medium_row_takes_dgls_best_of_medium_autocast_and_float32():

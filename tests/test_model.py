@@ -47,13 +47,14 @@ def test_sageconv_equals_dgl(in_feats, out_feats):
 
 @pytest.mark.parametrize("in_feats,out_feats,num_src,first", [
     (16, 8, 50, False), (16, 8, 20, True), (8, 16, 50, False), (8, 16, 20, False),
-    (12, 12, 50, False)])
+    (12, 12, 50, False), (4, 16, 50, False), (3, 12, 20, False)])
 def test_sageconv_gradients_equal_dgl(in_feats, out_feats, num_src, first):
     """The gradients w.r.t. the input (one fused gradient for the self term and the
     neighbour mean, see model._MeanAggregate) and every parameter equal dgl.nn.SAGEConv's,
     with destinations without in-edges and sources without out-edges, in both association
     orders (``first``: model.project_first picks projecting before the mean; with as many
-    sources as destinations it does whenever in > out, as DGL does)."""
+    sources as destinations it does whenever in > out, as DGL does), and with narrow inputs
+    (in <= out / 4: the two terms and the bias in one product, model._LinearSumNarrow)."""
     import_dgl()
     from dgl.nn import SAGEConv as DGLSAGEConv
 
@@ -83,21 +84,22 @@ def test_sageconv_gradients_equal_dgl(in_feats, out_feats, num_src, first):
                                    msg=name)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_graphsage_model_equals_the_dgl_seed_model(dropout):
+@pytest.mark.parametrize("dropout,in_feats", [(0.0, 10), (0.5, 10), (0.0, 4)])
+def test_graphsage_model_equals_the_dgl_seed_model(dropout, in_feats):
     """The whole 3-layer model (in-place ReLU, fused self term) against the benchmark's DGL
     seed model with the same weights: same logits and parameter gradients (dropout off by
-    eval mode for the forward check; with dropout the training step must still run)."""
+    eval mode for the forward check; with dropout the training step must still run). With 4
+    input features the input layer's terms are narrow (model._LinearSumNarrow)."""
     from benchmarks.dgl_pipeline import DGLGraphSAGE
 
     import_dgl()
     sizes = [80, 30, 12, 5]
     blocks = [random_block(s, d, 6, seed=40 + i)
               for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
-    ours = GraphSAGE(10, 16, 4, 3, dropout)
-    ref = DGLGraphSAGE(10, 16, 4, 3, dropout)
+    ours = GraphSAGE(in_feats, 16, 4, 3, dropout)
+    ref = DGLGraphSAGE(in_feats, 16, 4, 3, dropout)
     ref.load_state_dict(ours.state_dict())
-    x = torch.randn(80, 10)
+    x = torch.randn(80, in_feats)
     ours.eval()
     ref.eval()
     got = ours(blocks, x)
@@ -268,3 +270,46 @@ def test_fused_relu_dropout_equals_relu_then_dropout():
     y = _ReluDropout.apply(torch.tensor([[-1.0, 0.0, float("nan"), 2.0]]).repeat(64, 1), 0.5)
     assert (y[:, :2] == 0).all() and torch.isnan(y[:, 2]).any()  # NaN passes as through ReLU
     assert ((y[:, 3] == 0) | (y[:, 3] == 4.0)).all() and (y[:, 3] == 0).any()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("need_x", [True, False])
+def test_narrow_terms_take_one_product_with_the_same_results(monkeypatch, bias, need_x):
+    """linear_sum packs terms whose inputs are at most a quarter of the output wide into one
+    product with the bias as a column of ones (model._LinearSumNarrow): the same output and
+    the same gradients of every input, weight and the bias as term by term
+    (model._LinearSum), for 1 to 3 terms; wider terms go term by term."""
+    from trainer_client import model as model_mod
+
+    calls = {"narrow": 0}
+    forward = model_mod._LinearSumNarrow.forward
+
+    def counted(ctx, *args):
+        calls["narrow"] += 1
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(model_mod._LinearSumNarrow, "forward", staticmethod(counted))
+    g = torch.Generator().manual_seed(7)
+    for widths, out, narrow in [([4], 16, True), ([4, 3], 16, True), ([2, 4, 1], 20, True),
+                                ([4, 5], 16, False), ([16], 16, False)]:
+        xs = [torch.randn(33, k, generator=g) for k in widths]
+        ws = [torch.randn(out, k, generator=g) for k in widths]
+        b = torch.randn(out, generator=g)
+        grad = torch.randn(33, out, generator=g)
+        results = []
+        for fn in (lambda bb, terms: model_mod._LinearSum.apply(
+                       bb, *[t for term in terms for t in term]),
+                   model_mod.linear_sum):
+            leaves = ([x.detach().clone().requires_grad_(need_x) for x in xs]
+                      + [w.detach().clone().requires_grad_() for w in ws])
+            bb = b.detach().clone().requires_grad_() if bias else None
+            got = fn(bb, list(zip(leaves[:len(xs)], leaves[len(xs):])))
+            got.backward(grad)
+            results.append([got.detach(), *[t.grad for t in leaves if t.requires_grad],
+                            *([bb.grad] if bias else [])])
+        before = calls["narrow"]
+        model_mod.linear_sum(None, list(zip(xs, ws)))
+        assert (calls["narrow"] > before) is narrow, (widths, out)
+        assert len(results[0]) == len(results[1])
+        for want, got in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

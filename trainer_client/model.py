@@ -263,6 +263,66 @@ class _LinearSum(torch.autograd.Function):
         return tuple(got)
 
 
+class _LinearSumNarrow(torch.autograd.Function):
+    """:class:`_LinearSum` for narrow terms (:func:`narrow_terms`: each ``in`` at most a
+    quarter of ``out``, as the input layer of a graph with 8-dim features, ogbn-proteins'):
+    the ``x_i`` side by side in one ``[rows, sum in_i + 1]`` buffer whose last column is ones,
+    the weights and the bias side by side in one ``[out, sum in_i + 1]``.
+
+    With ``in`` that small a product is bound by writing its ``[rows, out]`` output, not by
+    its multiply-adds. Term by term, the output is written by the first product, read and
+    written again by each further one and by the bias; the gradient is read once per weight
+    and once more for the bias's sum. Packed, the forward writes the output once and the
+    backward reads the gradient once for every weight's gradient and the bias's (its last
+    column, ``grad^T 1``). The same products, so the same function and gradients (summed in
+    another order). On this 2-core machine, forward and weight gradients of 36,845 rows into
+    256: ``in`` 8 0.66x the time term by term, 16 0.72x, 32 0.79x, 64 0.92x; at 100 (the
+    products and RMAT graphs' input layer) 1.06x, hence the quarter
+    (docs/benchmarks.md, "Issue 14, session 42")."""
+
+    @staticmethod
+    def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
+        xs, ws = xw[0::2], xw[1::2]
+        widths = [x.shape[1] for x in xs]
+        x = torch.empty((xs[0].shape[0], sum(widths) + (bias is not None)),
+                        dtype=xs[0].dtype, device=xs[0].device)
+        at = 0
+        for xi, k in zip(xs, widths):
+            x[:, at:at + k] = xi
+            at += k
+        if bias is not None:
+            x[:, at] = 1.0
+        w = torch.cat([*ws, bias.unsqueeze(1)] if bias is not None else ws, 1)
+        ctx.save_for_backward(x, w)
+        ctx.widths, ctx.has_bias = widths, bias is not None
+        return torch.mm(x, w.t())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, w = ctx.saved_tensors
+        need, has_bias = ctx.needs_input_grad, ctx.has_bias
+        grad = grad.contiguous()
+        gx = grad.mm(w) if any(need[1::2]) else None  # [rows, sum in_i (+ 1)]
+        gw = (x.t().mm(grad).t() if any(need[2::2]) or (has_bias and need[0])
+              else None)  # [out, sum in_i (+ 1)]
+        got: list[Tensor | None] = [gw[:, -1].contiguous()  # type: ignore[index]
+                                    if has_bias and need[0] else None]
+        at = 0
+        for i, k in enumerate(ctx.widths):
+            got.append(gx[:, at:at + k] if need[1 + 2 * i] else None)  # type: ignore[index]
+            got.append(gw[:, at:at + k].contiguous() if need[2 + 2 * i] else None)  # type: ignore[index]
+            at += k
+        return tuple(got)
+
+
+def narrow_terms(terms: list[tuple[Tensor, Tensor]]) -> bool:
+    """Whether :func:`linear_sum` packs ``terms`` (``(x, W)``, ``W``: ``[out, in]``) into one
+    product at float32 (:class:`_LinearSumNarrow`): on the CPU, where it was measured,
+    when every term's ``in`` is at most a quarter of its ``out``."""
+    return (terms[0][0].device.type == "cpu"
+            and all(x.shape[1] * 4 <= w.shape[0] for x, w in terms))
+
+
 class _LinearSumPacked(torch.autograd.Function):
     """:class:`_LinearSum` with the ``x_i`` side by side in one ``[padded, sum in_i]`` buffer
     of ``dtype`` and the weights in one ``[out, sum in_i]``: the forward is one GEMM and so
@@ -338,7 +398,9 @@ def _count(route: str) -> None:
 
 def linear_sum(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> Tensor:
     """``bias + sum x W^T`` over ``terms`` (``(x, W)``, ``W``: ``[out, in]`` as in
-    nn.Linear; every ``x`` with the same rows). Where the products run in bfloat16
+    nn.Linear; every ``x`` with the same rows). At float32 narrow terms
+    (:func:`narrow_terms`) are packed into one product (:class:`_LinearSumNarrow`), other
+    terms go through :class:`_LinearSum`. Where the products run in bfloat16
     (:func:`bf16_products`), rows are bucketed (:func:`gemm_rows`; SAGEConv's come
     bucketed already) and the terms packed (:class:`_LinearSumPacked`): on the ``"cast"``
     route always, in bfloat16; on the ``"onednn"`` route in float32 where rows need a
@@ -347,6 +409,8 @@ def linear_sum(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> Tenso
     route = bf16_products(x0.device)
     flat = [t for term in terms for t in term]
     if route is None:
+        if narrow_terms(terms):
+            return _LinearSumNarrow.apply(bias, *flat)
         return _LinearSum.apply(bias, *flat)
     _count(route)
     rows = x0.shape[0]
