@@ -94,11 +94,11 @@ def measure_multilabel(args: argparse.Namespace) -> dict:
                       "num_train": sum(q.num_train for q in meta.parts)},
             "fanouts": list(args.fanouts), "epochs": args.multilabel_epochs, "dropout": p,
             "rounds": rounds,
-            "dgl_seeds_per_s": statistics.median(
-                x["dgl"][x["dgl_best_workers"]]["seeds_per_s"] for x in rounds),
-            "mfgserve_seeds_per_s": statistics.median(
-                x["mfgserve"]["seeds_per_s"] for x in rounds),
-            "ratio": statistics.median(x["ratio"] for x in rounds),
+            "dgl_seeds_per_s": round(statistics.median(
+                x["dgl"][x["dgl_best_workers"]]["seeds_per_s"] for x in rounds), 1),
+            "mfgserve_seeds_per_s": round(statistics.median(
+                x["mfgserve"]["seeds_per_s"] for x in rounds), 1),
+            "ratio": round(statistics.median(x["ratio"] for x in rounds), 3),
             "round_ratios": [x["ratio"] for x in rounds],
             "test_rocauc_diff": round(statistics.median(x["test_rocauc_diff"] for x in rounds), 4)}
 
