@@ -83,10 +83,12 @@ def _loader(g, seeds: Tensor, fanouts: list[int], batch_size: int, shuffle: bool
 
 
 @torch.no_grad()
-def _split_rocauc(model: nn.Module, loader) -> float:
+def _split_rocauc(model: nn.Module, loader, max_batches: int | None = None) -> float:
     model.eval()
     preds, labels = [], []
-    for _, _, blocks in loader:
+    for i, (_, _, blocks) in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
         preds.append(model(blocks, blocks[0].srcdata["feat"]))
         labels.append(blocks[-1].dstdata["label"])
     return rocauc(torch.cat(labels).numpy(), torch.cat(preds).numpy())
@@ -96,10 +98,12 @@ def train_dgl_multilabel(parts_dir: str | Path, fanouts: list[int], batch_size: 
                          epochs: int, hidden: int = 256, dropout: float = 0.5,
                          lr: float = 3e-3, weight_decay: float = 5e-4, seed: int = 0,
                          eval_batch_size: int = 1024,
-                         num_threads: int | None = None, num_workers: int = 0) -> dict:
+                         num_threads: int | None = None, num_workers: int = 0,
+                         max_batches: int | None = None) -> dict:
     """Train and evaluate the DGL reference (module docstring); returns its figures.
     ``num_workers``: the DataLoader's sampling processes (0: in this process), for training
-    and evaluation alike."""
+    and evaluation alike; ``max_batches`` caps the batches of every epoch and evaluation
+    pass (a warm-up's)."""
     dgl = import_dgl()
     t0 = time.perf_counter()
     g, splits, meta = load_multilabel_graph(parts_dir)
@@ -120,7 +124,9 @@ def train_dgl_multilabel(parts_dir: str | Path, fanouts: list[int], batch_size: 
             model.train()
             t = time.perf_counter()
             loss_sum, n = 0.0, 0
-            for _, out_nodes, blocks in train:
+            for i, (_, out_nodes, blocks) in enumerate(train):
+                if max_batches is not None and i >= max_batches:
+                    break
                 logits = model(blocks, blocks[0].srcdata["feat"])
                 loss = loss_fn(task, logits, blocks[-1].dstdata["label"])
                 opt.zero_grad(set_to_none=True)
@@ -130,7 +136,7 @@ def train_dgl_multilabel(parts_dir: str | Path, fanouts: list[int], batch_size: 
                 n += 1
                 seeds += out_nodes.numel()
             train_s += time.perf_counter() - t
-            scores = {s: _split_rocauc(model, ld) for s, ld in evals.items()}
+            scores = {s: _split_rocauc(model, ld, max_batches) for s, ld in evals.items()}
             history.append({"epoch": epoch, "loss": round(loss_sum / max(n, 1), 4),
                             **{f"{s}_rocauc": round(v, 4) for s, v in scores.items()}})
             print(f"dgl epoch {json.dumps(history[-1])}", file=sys.stderr, flush=True)

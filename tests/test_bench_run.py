@@ -216,6 +216,7 @@ def test_multilabel_step_pairs_both_sides_on_one_proteins_shaped_graph(tmp_path)
         assert r["ratio"] == round(m["seeds_per_s"] / best["seeds_per_s"], 3)
     assert ml["round_ratios"] == [r["ratio"] for r in ml["rounds"]]
     assert ml["ratio"] == pytest.approx(sum(ml["round_ratios"]) / 2, abs=1e-3)  # median of two
+    assert "DGL warm-up (2 batches, untimed)" in proc.stderr
     assert "multi-label (synthetic-proteins-2000: 2,000 nodes" in proc.stderr
 
 
