@@ -17,6 +17,8 @@ cross-entropy over the labelled entries (:func:`trainer_client.metrics.loss_fn`)
 * mfgserve: ``deploy.worker_mode`` on the same set (:func:`benchmarks.run.run_worker_mode`:
   the main rows' flags, 1 trainer, the ring on), ``--multilabel-epochs`` epochs.
 
+Both at the first ``--matmul-precision`` and on the CPU, whatever ``--device`` says.
+
 ``--rounds N`` measures the pair N times, alternating which side goes first (round 1 DGL);
 the step's ``ratio`` is the median of the rounds' ratios. Seeds/s count training loops only
 on both sides (evaluation excluded); DGL gets a short untimed warm-up run first, as in the
@@ -87,7 +89,9 @@ def measure_multilabel(args: argparse.Namespace) -> dict:
                            args.seed)
     meta = PartitionSetMeta.load(parts)
     p = headline_dropout(args.dropout)
-    wargs = argparse.Namespace(**{**vars(args), "epochs": args.multilabel_epochs})
+    # both sides on the CPU (DGL's wheels have no CUDA kernels), whatever --device says
+    wargs = argparse.Namespace(**{**vars(args), "epochs": args.multilabel_epochs,
+                                  "device": "cpu"})
     _dgl_warmup(parts, args, p)
     rounds = []
     for r in range(1, args.rounds + 1):
@@ -121,13 +125,25 @@ def measure_multilabel(args: argparse.Namespace) -> dict:
             "test_rocauc_diff": round(statistics.median(x["test_rocauc_diff"] for x in rounds), 4)}
 
 
+def _at_least(low: float, kind=int):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = low - 1
+        if not v >= low:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low:g}, got {text!r}")
+        return v
+    return parse
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """benchmarks.run's options for this step."""
-    p.add_argument("--multilabel-nodes", type=int, default=100000,
+    p.add_argument("--multilabel-nodes", type=_at_least(8), default=100000,
                    help="multilabel step: nodes of the generated proteins-shaped graph "
                         "(default 100000)")
-    p.add_argument("--multilabel-degree", type=float, default=50.0,
+    p.add_argument("--multilabel-degree", type=_at_least(0, float), default=50.0,
                    help="multilabel step: its average undirected degree (default 50: 5M "
                         "directed edges at 100000 nodes)")
-    p.add_argument("--multilabel-epochs", type=int, default=2,
+    p.add_argument("--multilabel-epochs", type=_at_least(1), default=2,
                    help="multilabel step: training epochs of both sides (default 2)")

@@ -121,6 +121,8 @@ def test_ddp_step_two_processes_each_side_same_total_batch(summary):
     (["--batch-size", "1023"], "--ddp-procs"),
     (["--num-threads", "0"], "--num-threads"),
     (["--rounds", "0"], "--rounds"),
+    (["--multilabel-epochs", "0"], "--multilabel-epochs"),
+    (["--multilabel-nodes", "x"], "--multilabel-nodes"),
 ])
 def test_bad_values_exit_2_naming_the_option(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
