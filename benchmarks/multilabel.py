@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.report import cached_parts, logger
+from benchmarks.report import at_least, cached_parts, logger
 
 log = logger("multilabel")
 
@@ -100,8 +100,7 @@ def measure_multilabel(args: argparse.Namespace) -> dict:
             if side == "dgl":
                 got["dgl"] = _dgl_side(parts, args, p)
             else:
-                res = run_worker_mode(parts, wargs, p)
-                got["mfgserve"] = res
+                got["mfgserve"] = run_worker_mode(parts, wargs, p)
         best_w = max(got["dgl"], key=lambda w: got["dgl"][w]["seeds_per_s"])
         dgl, mfg = got["dgl"][best_w], got["mfgserve"]
         rounds.append({"round": r, "first": "DGL" if r % 2 else "mfgserve",
@@ -125,25 +124,13 @@ def measure_multilabel(args: argparse.Namespace) -> dict:
             "test_rocauc_diff": round(statistics.median(x["test_rocauc_diff"] for x in rounds), 4)}
 
 
-def _at_least(low: float, kind=int):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            v = low - 1
-        if not v >= low:
-            raise argparse.ArgumentTypeError(f"expected a number >= {low:g}, got {text!r}")
-        return v
-    return parse
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     """benchmarks.run's options for this step."""
-    p.add_argument("--multilabel-nodes", type=_at_least(8), default=100000,
+    p.add_argument("--multilabel-nodes", type=at_least(8), default=100000,
                    help="multilabel step: nodes of the generated proteins-shaped graph "
                         "(default 100000)")
-    p.add_argument("--multilabel-degree", type=_at_least(0, float), default=50.0,
+    p.add_argument("--multilabel-degree", type=at_least(0, float), default=50.0,
                    help="multilabel step: its average undirected degree (default 50: 5M "
                         "directed edges at 100000 nodes)")
-    p.add_argument("--multilabel-epochs", type=_at_least(1), default=2,
+    p.add_argument("--multilabel-epochs", type=at_least(1), default=2,
                    help="multilabel step: training epochs of both sides (default 2)")

@@ -29,6 +29,22 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def at_least(low: float, kind: type = int) -> Callable[[str], float]:
+    """argparse type: a number of ``kind`` (int or float) that is >= ``low``; anything else
+    is refused as "expected an integer (a number) >= low"."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not v >= low:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {low:g}, got {text!r}")
+        return v
+    return parse
+
+
 def logger(tag: str) -> Callable[[str], None]:
     """A progress printer: ``[tag HH:MM:SS] msg`` lines on stderr."""
 

@@ -70,6 +70,7 @@ from benchmarks.report import (
     REPO,
     add_malloc_arg,
     apply_malloc,
+    at_least,
     command_line,
     emit_summary,
     int_list,
@@ -141,14 +142,7 @@ def _family_list(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
+_positive_int = at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -401,8 +395,8 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     except (IndexError, json.JSONDecodeError) as e:
         raise RuntimeError(f"worker-mode printed no JSON summary as its last line: {e}") from e
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "test_rocauc", "valid_rocauc",
-            "best_epoch", "final_loss", "batches_per_epoch_per_trainer", "num_trainers", "bytes_received", "stages_s",
-            "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
+            "best_epoch", "final_loss", "batches_per_epoch_per_trainer", "num_trainers",
+            "bytes_received", "stages_s", "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
             "prefetch", "omp_wait_policy", "device", "h2d_hidden_share")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \

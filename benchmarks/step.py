@@ -32,10 +32,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.report import add_malloc_arg, apply_malloc, logger
 from common.config import MATMUL_PRECISIONS
+from trainer_client.metrics import TASK_METRICS, Task, loss_fn
 
 log = logger("step")
 
@@ -84,16 +84,18 @@ def _fresh_dgl_blocks(dgl_blocks) -> list:
     return out
 
 
-def _step(model, opt, blocks, x, y, autocast: bool = False, task=None) -> None:
+_MULTICLASS = Task()  # cross-entropy: the products and RMAT graphs' task
+
+
+def _step(model, opt, blocks, x, y, autocast: bool = False,
+          task: Task = _MULTICLASS) -> None:
     """One training step; ``autocast``: its forward under ``torch.autocast("cpu",
     bfloat16)``, a context per step as a training loop has it (DGL's own route to bfloat16
-    products). ``task``: a multi-label set's (:class:`trainer_client.metrics.Task`: binary
-    cross-entropy over the labelled entries, as the trainer's); None: cross-entropy."""
-    from trainer_client.metrics import loss_fn
-
+    products). The loss is the trainer's for ``task`` (:func:`trainer_client.metrics.loss_fn`:
+    cross-entropy, or a multi-label set's binary cross-entropy over the labelled entries)."""
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
         logits = model(blocks, x)
-        loss = F.cross_entropy(logits, y) if task is None else loss_fn(task, logits.float(), y)
+        loss = loss_fn(task, logits, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -122,14 +124,13 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
     if num_threads:
         torch.set_num_threads(num_threads)
     from partition.layout import PartitionSetMeta
-    from trainer_client.metrics import TASK_METRICS, Task
 
     fg = load_full_graph(parts)
     meta = PartitionSetMeta.load(parts)
     # a multi-label set: one logit per task and the trainer's binary cross-entropy, both sides
     task = (Task("binary", meta.num_tasks, TASK_METRICS["binary"])
-            if meta.task_type == "binary" else None)
-    outputs = fg.num_classes if task is None else meta.num_tasks
+            if meta.task_type == "binary" else Task())
+    outputs = meta.num_tasks if task.binary else fg.num_classes
     t0 = time.perf_counter()
     data = _sample_batches(fg, fanouts, batch_size, batches, seed)
     sample_s = time.perf_counter() - t0

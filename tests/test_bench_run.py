@@ -121,8 +121,9 @@ def test_ddp_step_two_processes_each_side_same_total_batch(summary):
     (["--batch-size", "1023"], "--ddp-procs"),
     (["--num-threads", "0"], "--num-threads"),
     (["--rounds", "0"], "--rounds"),
-    (["--multilabel-epochs", "0"], "--multilabel-epochs"),
-    (["--multilabel-nodes", "x"], "--multilabel-nodes"),
+    (["--multilabel-epochs", "0"], "--multilabel-epochs: expected an integer >= 1"),
+    (["--multilabel-nodes", "x"], "--multilabel-nodes: expected an integer >= 8"),
+    (["--multilabel-degree", "-1"], "--multilabel-degree: expected a number >= 0"),
 ])
 def test_bad_values_exit_2_naming_the_option(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
