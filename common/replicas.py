@@ -80,6 +80,7 @@ class ReplicaSet:
         self.failovers = 0
         self._next = dict.fromkeys(self.partitions, 0)  # round-robin position per part
         self._suspected_at: dict[str, float] = {}
+        self._down: set[str] = set()  # endpoints whose drop was logged (see _note_down)
         self._buffered: dict[tuple[str, int], Message] = {}
         self._inflight: dict[tuple[str, int], Handle] = {}
         self._closed = False
@@ -111,9 +112,24 @@ class ReplicaSet:
         if ch is not None:
             ch.poll_events()
             if not ch.up:
+                self._note_down(ch)
                 return False
+            self._down.discard(endpoint)
         since = self._suspected_at.get(endpoint)
         return since is None or self.clock() - since >= self.suspect_s
+
+    def _note_down(self, ch: RpcChannel) -> None:
+        """Say once per drop that a replica is skipped: its connection dropped while nothing
+        was in flight on it (so nothing is re-sent and no other line would say so)."""
+        if ch.endpoint in self._down:
+            return
+        self._down.add(ch.endpoint)
+        if ch.lost:  # requests were lost with it: their re-sends (or errors) will say so
+            return
+        part = next((p for p, eps in self.partitions.items() if ch.endpoint in eps), None)
+        log.warning("the connection to server %s (part %s) dropped with no request in flight "
+                    "on it (it missed heartbeats, or it exited); the part's requests go to its "
+                    "other replicas until it connects again", ch.endpoint, part)
 
     def mark_suspect(self, endpoint: str) -> None:
         """Avoid ``endpoint`` for ``suspect_s`` (it missed a deadline, kept its connection)."""
@@ -284,6 +300,7 @@ class ReplicaSet:
         """Re-send every request in flight on ``ch`` to another replica of its part; a request
         that cannot be re-sent fails (its handle keeps the error, :meth:`wait` raises it)."""
         victims = [h for (ep, _), h in list(self._inflight.items()) if ep == ch.endpoint]
+        self._down.add(ch.endpoint)  # the re-sends below say what happened to it
         for handle in victims:
             self._failover(handle, error)
         ch.forget(set(ch.lost) | set(ch.pending))

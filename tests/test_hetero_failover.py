@@ -247,14 +247,23 @@ def test_replica_death_mid_epoch_typed_batches_ring_on(server_factory, mag2, tmp
             s.stop_and_check()  # the survivors kept serving and stop cleanly (exit 0)
 
 
+def _warnings(log: Path) -> str:
+    """The trainer's warning lines (a replica dropped idle is one; see ReplicaSet.healthy)."""
+    return "\n".join(line for line in log.read_text().splitlines() if " W [" in line)
+
+
 def _sample_requests(endpoint: str) -> float:
     return call(endpoint, StatsRequest(), StatsReply, timeout_s=30).values["sample_requests"]
 
 
-# The replica is frozen once it has served 3 requests. Every epoch after that must still send
-# it requests (round-robin), or the run can end before the trainer notices: with 4 epochs
-# (0.4 s each after the first) a fast machine finished the run first (1 failure in a clean-clone
-# suite run). 40 epochs leave the test's poll well over 10 s to act in.
+# The replica is frozen once the trainer has logged epoch 0 (and the replica has served 3
+# requests). Every epoch after that must still send it requests (round-robin), or the run can
+# end before the trainer notices: with 4 epochs (0.4 s each after the first) a fast machine
+# finished the run first (1 failure in a clean-clone suite run). 40 epochs leave the test's
+# poll well over 10 s to act in. Not earlier than that: epoch 0 (seconds) holds the one-time
+# setup, and a freeze just after the replica answered its requests can then pass
+# --heartbeat-timeout-s with nothing in flight on it; the trainer drops it idle, skips it, and
+# nothing is ever re-sent (a clean-clone suite run failed so: 40 epochs, 0 failovers).
 EPOCHS = 40
 
 
@@ -269,7 +278,7 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
     argv = [sys.executable, "-m", "deploy.trainer_cli", "--cluster", str(path),
             "--fanouts", ",".join(map(str, FANOUTS)), "--rel-fanouts", REL_FANOUTS,
             "--batch-size", "16", "--hidden", "16", "--epochs", str(EPOCHS), "--no-progress",
-            "--num-threads", "1", "--heartbeat-timeout-s", "3", "--request-timeout-s", "60",
+            "--num-threads", "1", "--request-timeout-s", "60",
             "--run-dir", str(tmp_path / "run")]
     with open(out, "w") as fo, open(err, "w") as fe:
         trainer = subprocess.Popen(argv, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
@@ -277,13 +286,15 @@ def test_server_client_run_survives_a_replica_death(server_factory, mag2, tmp_pa
     try:
         def training() -> bool:
             assert trainer.poll() is None, f"trainer exited early:\n{tail(err)}"
-            return _sample_requests(victim_ep) >= 3  # early in epoch 0
+            return ('"epoch": 0,' in err.read_text()  # past the first epoch's setup
+                    and _sample_requests(victim_ep) >= 3)
 
         _wait_until(training, 120, "the trainer sampling from the replica", poll=0.1)
         os.kill(victim.proc.pid, signal.SIGSTOP)
 
         def resent() -> bool:
-            assert trainer.poll() is None, f"trainer exited before the failover:\n{tail(err)}"
+            assert trainer.poll() is None, (
+                f"trainer exited before the failover:\n{_warnings(err)}\n{tail(err)}")
             return f"from {victim_ep} to" in err.read_text()
 
         _wait_until(resent, 60, "the trainer re-sending the frozen replica's requests",

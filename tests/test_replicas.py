@@ -115,6 +115,29 @@ def test_round_robin_over_healthy_replicas_only():
     assert rs.failovers == 0 and not rs._inflight and not rs._buffered
 
 
+def test_a_replica_dropped_idle_is_logged_once_per_drop(caplog):
+    """A replica whose connection drops with nothing in flight (a frozen server missing
+    heartbeats while the trainer computes) is skipped silently by the policy: one warning
+    says so, once per drop; a drop that loses requests is told by their re-sends instead."""
+    rs, _ = _set({0: ["answer", "answer"], 1: ["drop", "answer"]})
+    caplog.set_level("WARNING", logger="mfgserve.replicas")
+    assert _answered_by(rs, 0, 2) == ["p0r0", "p0r1"]
+    rs.channel("p0r1").up = False
+    assert _answered_by(rs, 0, 3) == ["p0r0"] * 3
+    idle = [r.getMessage() for r in caplog.records]
+    assert len(idle) == 1 and "p0r1 (part 0) dropped with no request in flight" in idle[0]
+    rs.channel("p0r1").up = True  # it connected again: a later drop is a new one
+    assert _answered_by(rs, 0, 2) == ["p0r1", "p0r0"]
+    rs.channel("p0r1").up = False
+    _answered_by(rs, 0, 2)
+    assert len(caplog.records) == 2
+    caplog.clear()
+    assert rs.wait(rs.submit(1, Req(5))).endpoint == "p1r1"  # p1r0 dropped with it in flight
+    assert _answered_by(rs, 1, 2) == ["p1r1"] * 2
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "re-sending REQ for part 1 from p1r0 to p1r1"]
+
+
 def test_suspect_avoided_for_the_window_then_used_again():
     rs, clock = _set({0: ["timeout", "answer"]}, suspect_s=5.0)
     h = rs.submit(0, Req(7))
