@@ -59,7 +59,10 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
 
     ``heartbeat_s`` > 0 makes libzmq ping the peer every ``heartbeat_s`` seconds and drop the
     connection when nothing comes back within ``heartbeat_timeout_s`` (ZMTP heartbeats, run
-    by libzmq's IO thread): a dead or frozen peer then shows up as a disconnect.
+    by libzmq's IO thread): a dead or frozen peer then shows up as a disconnect. A new
+    connection's handshake gets the same time (ZMQ_HANDSHAKE_IVL, libzmq's default 30 s):
+    a reconnection to a frozen peer, which the kernel accepts but nothing answers, drops then
+    too, so a request sent to it fails after the heartbeat timeout, not after 30 s.
 
     ``linger_ms=0`` makes close() never block on unsent messages; ``max_message_bytes``
     (ZMQ_MAXMSGSIZE) makes libzmq drop peers that send anything larger. With ``curve``, the
@@ -71,6 +74,7 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
     if curve is not None:
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret

@@ -162,3 +162,52 @@ def test_frozen_replica_detected_by_heartbeat(server_factory, synth_parts2, tmp_
         os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(timeout=10)
     victim.stop_and_check(expect_code=None)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_server_frozen_between_requests(replicas, server_factory, synth_parts2, tmp_path,
+                                        caplog):
+    """A server frozen while nothing is in flight on it (SIGSTOP between requests) misses its
+    heartbeats and is dropped idle. With a replica, the part's requests go to the other one
+    and one warning says so. Without one, the next request goes to it anyway (it may have
+    recovered); its reconnection is accepted by the kernel but never completes a handshake,
+    so the request fails within the heartbeat timeout (the handshake gets that time too),
+    not after libzmq's default 30 s handshake timeout, with the "frozen" diagnosis."""
+    cluster, path = _cluster(tmp_path, 2, replicas=replicas)
+    servers = _start(server_factory, synth_parts2, cluster, path)
+    victim_ep = cluster.partitions[1][0]
+    victim = servers[victim_ep]
+    hb_timeout_s = 2.0
+    pool = ServerPool(cluster, timeout_s=120, max_message_bytes=64 << 20, heartbeat_s=0.5,
+                      heartbeat_timeout_s=hb_timeout_s)
+    caplog.set_level("WARNING", logger="mfgserve.replicas")
+    try:
+        for _ in range(replicas):  # every replica of part 1 answered once
+            assert isinstance(pool.wait(pool.submit(1, StatsRequest())), StatsReply)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while pool.healthy(victim_ep):  # dropped once its heartbeats go unanswered
+            assert time.monotonic() < deadline, "the frozen server was never dropped"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        if replicas == 2:
+            for _ in range(3):
+                h = pool.submit(1, StatsRequest())
+                assert h.channel.endpoint != victim_ep
+                assert isinstance(pool.wait(h), StatsReply)
+            warned = [r.getMessage() for r in caplog.records]
+            assert len(warned) == 1 and f"{victim_ep} (part 1) dropped with no request" in \
+                warned[0], warned
+            assert pool.failovers == 0
+        else:
+            with pytest.raises(MfgServeError) as err:
+                pool.wait(pool.submit(1, StatsRequest()))
+            elapsed = time.monotonic() - t0
+            text = str(err.value)
+            assert victim_ep in text and "frozen" in text, text
+            assert elapsed < hb_timeout_s + 8, f"took {elapsed:.1f}s: {text}"
+    finally:
+        pool.close()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    victim.stop_and_check(expect_code=None)
