@@ -396,8 +396,9 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
         raise RuntimeError(f"worker-mode printed no JSON summary as its last line: {e}") from e
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "test_rocauc", "valid_rocauc",
             "best_epoch", "final_loss", "batches_per_epoch_per_trainer", "num_trainers",
-            "bytes_received", "stages_s", "prepare_s", "startup_s", "launcher_wall_s", "teardown", "cache", "shm_ring",
-            "prefetch", "omp_wait_policy", "device", "h2d_hidden_share")
+            "bytes_received", "stages_s", "prepare_s", "startup_s", "launcher_wall_s",
+            "teardown", "cache", "shm_ring", "prefetch", "omp_wait_policy", "device",
+            "h2d_hidden_share")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \
         summary.get("num_trainers", 1)

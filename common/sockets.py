@@ -71,10 +71,10 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool,
     """
     sock = ctx.socket(kind)
     if heartbeat_s > 0:
+        timeout_ms = int(max(heartbeat_timeout_s, heartbeat_s) * 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(max(heartbeat_timeout_s, heartbeat_s) * 1000))
+        for option in (zmq.HEARTBEAT_TIMEOUT, zmq.HEARTBEAT_TTL, zmq.HANDSHAKE_IVL):
+            sock.setsockopt(option, timeout_ms)
     if curve is not None:
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
