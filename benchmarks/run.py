@@ -397,7 +397,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     keep = ("seeds_per_s", "train_s", "test_acc", "valid_acc", "test_rocauc", "valid_rocauc",
             "best_epoch", "final_loss", "batches_per_epoch_per_trainer", "num_trainers",
             "bytes_received", "stages_s", "prepare_s", "startup_s", "launcher_wall_s",
-            "teardown", "cache", "shm_ring", "prefetch", "omp_wait_policy", "device",
+            "teardown", "cache", "shm_ring", "prefetch", "core_turns", "omp_wait_policy", "device",
             "h2d_hidden_share")
     res = {k: summary[k] for k in keep if k in summary}
     batches = summary.get("batches_per_epoch_per_trainer", 0) * summary.get("epochs", 1) * \

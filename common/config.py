@@ -45,6 +45,15 @@ PREFETCH_HELP = (
     "(docs/benchmarks.md, session 24). 'auto' alternates on a CPU trainer with more than one "
     "torch thread and at least as many as the cores it may use, once a server has written "
     "into its shared-memory ring (a server on this host); otherwise it overlaps")
+YIELD_CORES_HELP = (
+    "while a window of sample requests is out and the trainer alternates with servers on this "
+    "host (--prefetch), give the servers every core: the trainer pins its torch threads one "
+    "per core and puts its OpenMP worker threads at SCHED_IDLE until the window's replies are "
+    "in, so that their spinning after a step does not hold a core a server thread wants; "
+    "during a step they are ordinary threads. 'auto' does so on a CPU trainer whose torch "
+    "threads cover the cores, where a thread may leave SCHED_IDLE again (root, or "
+    "RLIMIT_NICE >= 20), and says otherwise why not in the summary's core_turns; 'off' never "
+    "(docs/tuning.md)")
 LR_SCHEDULES = ("none", "step", "cosine")
 EVAL_MODES = ("sampled", "full")
 # --malloc-retain-mb of trainers and servers
@@ -204,6 +213,7 @@ class TrainerConfig:
     weight_decay: float = opt(5e-4, "Adam weight decay")
     max_inflight: int = opt(4, "sample requests in flight per trainer (prefetch depth)")
     prefetch: str = opt("auto", PREFETCH_HELP, choices=list(PREFETCH_MODES))
+    yield_cores: str = opt("auto", YIELD_CORES_HELP, choices=["auto", "off"])
     cache_ratio: float = opt(
         0.0, "fraction of each part's nodes whose features this trainer caches on its device "
         "(the hottest, ranked by partition-ogbn's pre-sampling); servers skip sending them")

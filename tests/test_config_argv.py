@@ -46,7 +46,8 @@ SERVER = ServerConfig(
 TRAINER = TrainerConfig(
     cluster="/c.yaml", fanouts=[-1, 5, 3], eval_fanouts=[4, 4, 4], batch_size=7,
     eval_batch_size=9, epochs=2, hidden=8, dropout=0.25, lr=0.0125, weight_decay=1e-6,
-    max_inflight=2, prefetch="alternate", cache_ratio=0.3, feat_transfer="float16",
+    max_inflight=2, prefetch="alternate", yield_cores="off", cache_ratio=0.3,
+    feat_transfer="float16",
     request_timeout_s=17.5,
     shm_ring=False, shm_ring_mb=64, device="cpu", num_threads=3, malloc_retain_mb=64,
     eval_every=2, seed=11, matmul_precision="medium",

@@ -21,6 +21,7 @@ import torch
 from procs import REPO, run_cli
 
 from common.config import TrainerConfig
+from trainer_client.core_turns import idle_is_reversible
 
 SETTINGS = ["--num-trainers", "2", "--epochs", "50", "--fanouts", "10,10", "--batch-size", "64",
             "--no-progress"]
@@ -173,6 +174,14 @@ def test_default_synthetic_dataset(tmp_path):
     on_cpu = summary["device"] == "cpu"  # auto: a GPU where there is one, never alternating
     assert pf["mode"] == "auto" and pf["alternated"] == (on_cpu and 1 < threads >= cores), pf
     assert (pf["bursts"] > 0) == pf["alternated"], pf
+    # --yield-cores auto: alternating, the trainer's OpenMP workers yield their cores during
+    # each window (pinned one per core), where a thread may leave SCHED_IDLE again
+    turns = summary["core_turns"]
+    active = pf["alternated"] and idle_is_reversible() == ""
+    assert turns["mode"] == "auto" and turns["active"] == active, turns
+    if active:
+        assert turns["omp_workers"] == threads - 1 and turns["windows"] >= pf["bursts"], turns
+        assert turns["cores"] == sorted(os.sched_getaffinity(0))[:threads], turns
     # the default path: the servers share the host, so every reply lands in the ring; the
     # training loop drops each batch before the next requests go out (max_inflight + 1 slots;
     # alternating, a window's last batch goes out before the next window: max_inflight)

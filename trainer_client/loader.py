@@ -58,6 +58,7 @@ from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
 from common.sockets import Deadline
 from common.stats import RequestTimings
+from trainer_client.core_turns import CoreTurns
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.server_pool import Handle, ServerPool
 
@@ -166,12 +167,13 @@ class DistNodeDataLoader:
                  deterministic: bool = True, batch_locality: str = "global",
                  hetero: bool = False, rel_fanouts: list[list[int]] | None = None,
                  seed_ntype: str | None = None, prefetch: str = "overlap",
-                 alternate_if_local: bool = False):
+                 alternate_if_local: bool = False, turns: CoreTurns | None = None):
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
         self.pool = pool
         self.prefetch = prefetch
         self.alternate_if_local = alternate_if_local
+        self.turns = turns  # --yield-cores: the OpenMP workers yield during each window
         self.seeds = seeds
         self.offsets = torch.tensor(node_offsets, dtype=torch.int64)
         self._offsets_np = self.offsets.numpy()
@@ -404,12 +406,19 @@ class DistNodeDataLoader:
                         out, ready = self._finish(ready), None
                         yield out.input_nodes, out.output_nodes, out
                         del out
-                    while batches and len(inflight) < self.max_inflight:
-                        inflight.append(self._submit(*batches.popleft()))
-                    if alternate:  # the whole window arrives before any of it is computed on
-                        self.stats.bursts += 1
-                        for req in inflight:
-                            self._take(req)
+                    turns = self.turns if alternate else None
+                    if turns is not None:
+                        turns.give()  # the servers' turn: every core is theirs
+                    try:
+                        while batches and len(inflight) < self.max_inflight:
+                            inflight.append(self._submit(*batches.popleft()))
+                        if alternate:  # the whole window arrives before any of it is computed
+                            self.stats.bursts += 1
+                            for req in inflight:
+                                self._take(req)
+                    finally:
+                        if turns is not None:
+                            turns.take()  # the trainer's turn
                 req = inflight[0]
                 reply = self._take(req)
                 inflight.popleft()

@@ -66,6 +66,7 @@ from trainer_client.checkpoint import (
     save_best_model,
 )
 from trainer_client.controls import EarlyStopping, clip_gradients, epoch_seed, make_scheduler
+from trainer_client.core_turns import CoreTurns
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.inference import full_graph_eval
 from trainer_client.loader import DistNodeDataLoader, hidden_share
@@ -762,12 +763,17 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
                   ring, splits: dict) -> tuple[DistNodeDataLoader, dict]:
     """The training loader and the valid/test loaders (splits too small for every rank to get
     a seed are not evaluated)."""
+    covered = threads_cover_cores(device)
+    # --yield-cores: for a trainer that may take turns with servers on this host
+    may_alternate = cfg.prefetch == "alternate" or (cfg.prefetch == "auto" and covered
+                                                     and ring is not None)
+    turns = CoreTurns.start(cfg.yield_cores, covered and may_alternate)
     # Deterministic sampling: the same MFGs in a resumed run as in an uninterrupted one.
     common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                   max_inflight=cfg.max_inflight, prefetch=cfg.prefetch,
-                  alternate_if_local=threads_cover_cores(device), device=device,
+                  alternate_if_local=covered, device=device,
                   feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
-                  ring=ring, deterministic=cfg.deterministic_sampling)
+                  ring=ring, deterministic=cfg.deterministic_sampling, turns=turns)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
                                batch_size=cfg.batch_size, shuffle=True,
                                batch_locality=cfg.batch_locality,
@@ -921,6 +927,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
                      "bursts": run.train_loader.stats.bursts},
+        "core_turns": (run.train_loader.turns.summary() if run.train_loader.turns is not None
+                       else None),
         "node_embedding": ({"dim": cfg.node_emb_dim, "bytes_per_server": emb_bytes,
                             "ntypes": featureless(run.info)}  # typed: the types it feeds
                            if emb_bytes is not None else None),
