@@ -59,9 +59,11 @@ def _runtime_ns() -> dict[int, int]:
 
 def find_omp_workers(products: int = 12, size: int = 512) -> list[int]:
     """Thread ids of this process's OpenMP worker threads: the threads other than the caller
-    that ran for at least a quarter of the caller's time while the caller ran ``products``
-    parallel ``size`` x ``size`` products (a worker computes its share, or spins waiting for
-    the next region). Empty where ``/proc`` has no schedstat."""
+    that ran for at least an eighth of the caller's time while the caller ran ``products``
+    parallel ``size`` x ``size`` products. A worker computes its share of each (the caller
+    cannot finish one without it) or spins between them; the process's other threads (the
+    sockets' I/O, a progress bar's monitor) run for microseconds meanwhile. Empty where
+    ``/proc`` has no schedstat."""
     me = threading.get_native_id()
     a = torch.randn(size, size)
     with torch.no_grad():
@@ -74,7 +76,7 @@ def find_omp_workers(products: int = 12, size: int = 512) -> list[int]:
     if mine <= 0:
         return []
     return sorted(t for t, ns in after.items()
-                  if t != me and ns - before.get(t, ns) >= mine / 4)
+                  if t != me and ns - before.get(t, ns) >= mine / 8)
 
 
 def idle_is_reversible() -> str:
