@@ -22,7 +22,7 @@ typed window timed across the processes showed the second request reaching a sam
   so other load on the host cannot starve them.
 
 Measured on the 2-core RMAT benchmark graph, worker mode alternated with and without it: ahead
-in 10 of 12 pairs, a median of about +5 % seeds/s; products about +1.5 % (docs/benchmarks.md,
+in 13 of 15 pairs, a median of +5.7 % seeds/s; products +1.5 % (2 of 3; docs/benchmarks.md,
 "Issue 14, session 44"). Where anything fails (no ``/proc`` schedstat, a refused policy, fewer
 cores than threads), it turns itself off and says why in the trainer's summary
 (``core_turns``); the run goes on as without it.
