@@ -35,6 +35,7 @@ HETERO_MODEL_NAMES = ("rsage", "hetero-sage")  # typed models (trainer_client.he
 # --model: "auto" is rsage on a typed partition set, sage on a homogeneous one
 TRAINER_MODELS = ("auto",) + MODEL_NAMES + HETERO_MODEL_NAMES
 PREFETCH_MODES = ("auto", "overlap", "alternate")  # trainer_client.loader.DistNodeDataLoader
+YIELD_CORES_MODES = ("auto", "off")  # trainer_client.core_turns.CoreTurns
 PREFETCH_HELP = (
     "when sample requests are sent: 'overlap' keeps --max-inflight requests outstanding, so "
     "the servers sample the next batches while the model computes; 'alternate' sends "
@@ -213,7 +214,7 @@ class TrainerConfig:
     weight_decay: float = opt(5e-4, "Adam weight decay")
     max_inflight: int = opt(4, "sample requests in flight per trainer (prefetch depth)")
     prefetch: str = opt("auto", PREFETCH_HELP, choices=list(PREFETCH_MODES))
-    yield_cores: str = opt("auto", YIELD_CORES_HELP, choices=["auto", "off"])
+    yield_cores: str = opt("auto", YIELD_CORES_HELP, choices=list(YIELD_CORES_MODES))
     cache_ratio: float = opt(
         0.0, "fraction of each part's nodes whose features this trainer caches on its device "
         "(the hottest, ranked by partition-ogbn's pre-sampling); servers skip sending them")

@@ -38,8 +38,6 @@ import torch
 
 log = logging.getLogger("mfgserve.trainer")
 
-YIELD_CORES_MODES = ("auto", "off")
-
 
 def _runtime_ns() -> dict[int, int]:
     """Nanoseconds each thread of this process has run (``/proc/self/task/*/schedstat``)."""
@@ -119,12 +117,13 @@ class CoreTurns:
         self._idle = False
 
     @classmethod
-    def start(cls, mode: str, threads_cover_cores: bool) -> CoreTurns:
-        """Find the workers and check the policy switch (once, before training)."""
+    def start(cls, mode: str, alternates: bool) -> CoreTurns:
+        """Find the workers and check the policy switch (once, before training), for a trainer
+        that may take turns with servers on its host (``alternates``)."""
         turns = cls(mode)
         if mode == "off":
             turns.reason = "--yield-cores off"
-        elif not threads_cover_cores:
+        elif not alternates:
             turns.reason = ("the trainer does not alternate with the servers (a CPU trainer "
                             "whose torch threads cover the cores alternates)")
         elif not hasattr(os, "sched_setaffinity") or not hasattr(os, "SCHED_IDLE"):

@@ -765,9 +765,9 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
     a seed are not evaluated)."""
     covered = threads_cover_cores(device)
     # --yield-cores: for a trainer that may take turns with servers on this host
-    may_alternate = cfg.prefetch == "alternate" or (cfg.prefetch == "auto" and covered
-                                                     and ring is not None)
-    turns = CoreTurns.start(cfg.yield_cores, covered and may_alternate)
+    alternates = covered and (cfg.prefetch == "alternate"
+                              or (cfg.prefetch == "auto" and ring is not None))
+    turns = CoreTurns.start(cfg.yield_cores, alternates)
     # Deterministic sampling: the same MFGs in a resumed run as in an uninterrupted one.
     common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                   max_inflight=cfg.max_inflight, prefetch=cfg.prefetch,
