@@ -611,3 +611,54 @@ int64_t mfg_copy_rows(const char *base, int64_t row_bytes, int64_t num_rows, con
 #endif
     return n;
 }
+
+/* A trainer's input feature matrix from its feature cache and a reply
+ * (trainer_client/feature_cache.py's assemble): out's row i is the reply's next row where
+ * present[i] != 0, else the cache's row slot[nodes[i]], row_bytes each, in one pass.
+ * The cache rows ahead are fetched into L2 as in mfg_copy_rows.
+ * Torch's index_select into a temporary and two index_copy_ calls into the output moved the
+ * cached rows twice: in benchmarks.datapath's cache row (RMAT, 89,000 of a batch's 108,775
+ * rows cached) the consumer's CPU for a batch's assembly fell from 27 ms (2 threads) to 16
+ * (docs/benchmarks.md, "Issue 14, session 45"). Non-temporal stores, as in mfg_copy_rows,
+ * were slower here: the assembled matrix is read next by the same process.
+ * Returns n; or MFG_BAD_ID, before anything is written, if a node is outside
+ * [0, num_nodes), a node left out of the reply has no cache row (slot outside
+ * [0, cache_rows): trainer and servers disagree on what is cached), or the reply does not
+ * hold exactly as many rows as are present. */
+int64_t mfg_assemble_rows(const char *cache, int64_t row_bytes, int64_t cache_rows,
+                          const int32_t *slot, int64_t num_nodes, const int64_t *nodes,
+                          const uint8_t *present, int64_t n, const char *received,
+                          int64_t num_received, char *out)
+{
+    if (row_bytes < 0)
+        return MFG_BAD_ID;
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if ((uint64_t)nodes[i] >= (uint64_t)num_nodes)
+            return MFG_BAD_ID;
+        if (present[i]) {
+            have++;
+        } else if (slot[nodes[i]] < 0 || (int64_t)slot[nodes[i]] >= cache_rows) {
+            return MFG_BAD_ID;
+        }
+    }
+    if (have != num_received)
+        return MFG_BAD_ID;
+    const char *next_received = received;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + MFG_COPY_AHEAD < n && !present[i + MFG_COPY_AHEAD]) {
+            const char *ahead = cache + (int64_t)slot[nodes[i + MFG_COPY_AHEAD]] * row_bytes;
+            for (int64_t q = 0; q < row_bytes; q += 64)
+                MFG_PREFETCH_L2(ahead + q);
+        }
+        const char *src;
+        if (present[i]) {
+            src = next_received;
+            next_received += row_bytes;
+        } else {
+            src = cache + (int64_t)slot[nodes[i]] * row_bytes;
+        }
+        memcpy(out + i * row_bytes, src, (size_t)row_bytes);
+    }
+    return n;
+}

@@ -9,7 +9,8 @@ does them all in a single pass with the GIL released, fetching the next rows' me
 ``mfg_relabel`` (sampler_server/neighbor_sampler.py), ``mfg_relation_runs``
 (sampler_server/partition_store.py), ``mfg_row_runs``, ``mfg_draw_picks``
 and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py), ``mfg_copy_rows``
-(sampler_server/partition_store.py).
+(sampler_server/partition_store.py), ``mfg_assemble_rows`` (trainer_client/feature_cache.py:
+a CPU trainer's cached and received feature rows into one matrix).
 
 Build: the first use compiles ``native.c`` with ``$CC`` (else the compiler Python was built
 with, else ``cc``) into ``$MFGSERVE_NATIVE_DIR`` (default ``~/.cache/mfgserve``; a private
@@ -117,6 +118,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mfg_relation_runs.argtypes = [p, i64, p, i64, p, i64, i64, p, p]
     lib.mfg_gather_rows.restype = i64
     lib.mfg_gather_rows.argtypes = [p, p, i64, i64, p, i64, p, i64, ctypes.c_int32, p]
+    lib.mfg_assemble_rows.restype = i64
+    lib.mfg_assemble_rows.argtypes = [p, i64, i64, p, i64, p, p, i64, p, i64, p]
     return lib
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common import native
 from common.messages import CacheFillReply, CacheFillRequest
 from common.rpc import expect
 
@@ -65,9 +66,16 @@ class FeatureCache:
         index_copy_ (boolean-mask indexing would find them again for every read and write).
         With a CUDA cache the work is queued on the current stream and nothing waits for the
         device: the three index vectors go over in one page-locked copy, the received rows
-        (page-locked in a ring slot) without a wait either. Run on the loader's copy stream, the assembly
+        (page-locked in a ring slot) without a wait either. Run on the loader's copy stream, the
+        assembly
         overlaps the previous batch's compute (on the default stream it would queue behind it,
-        and a pageable copy or a device-side ``nonzero`` would make the host wait for both)."""
+        and a pageable copy or a device-side ``nonzero`` would make the host wait for both).
+        A CPU cache assembles in one pass of a native kernel where it is loaded
+        (:meth:`_assemble_native`)."""
+        if self.device.type == "cpu":
+            out = self._assemble_native(input_nodes, received, present)
+            if out is not None:
+                return out
         p = present.cpu().numpy()
         have = np.flatnonzero(p)  # numpy: 3-4x torch.nonzero's speed on the CPU
         fill = np.flatnonzero(~p)
@@ -88,4 +96,41 @@ class FeatureCache:
         out.index_copy_(0, fill, self.feat.index_select(0, slots))
         self.rows_served += int(fill.numel())
         self.bytes_saved += int(fill.numel()) * self.feat.shape[1] * received.element_size()
+        return out
+
+    def _assemble_native(self, input_nodes: Tensor, received: Tensor,
+                         present: Tensor) -> Tensor | None:
+        """:meth:`assemble` for a CPU cache by common/native.c's ``mfg_assemble_rows``: each
+        row copied once, in order, from the reply or the cache (the torch path copies the
+        cached rows twice, through ``index_select`` and ``index_copy_``: 27 ms of CPU against
+        16 for an RMAT batch, docs/benchmarks.md, "Issue 14, session 45"). None where the kernel does not apply
+        (not loaded, a reply of another dtype than the cache's, int64 cache slots): the caller
+        takes the torch path."""
+        lib = native.load()
+        if (lib is None or self.slot.dtype != torch.int32 or received.dtype != self.feat.dtype
+                or input_nodes.dtype != torch.int64 or present.dtype != torch.bool):
+            return None
+        nodes = input_nodes.contiguous()
+        mask = present.contiguous()
+        rows = received.contiguous()
+        n, width = nodes.numel(), self.feat.shape[1]
+        if mask.numel() != n or (rows.numel() and rows.shape[1:] != self.feat.shape[1:]):
+            raise RuntimeError(f"a reply's features do not match its input nodes: {n} nodes, "
+                               f"a present-mask of {mask.numel()}, rows of shape "
+                               f"{tuple(rows.shape)} against the cache's width {width}")
+        out = torch.empty((n, width), dtype=self.feat.dtype)
+        row_bytes = width * self.feat.element_size()
+        got = lib.mfg_assemble_rows(
+            self.feat.data_ptr(), row_bytes, self.feat.shape[0], self.slot.data_ptr(),
+            self.slot.numel(), nodes.data_ptr(), mask.data_ptr(), n, rows.data_ptr(),
+            rows.shape[0] if rows.dim() else 0, out.data_ptr())
+        if got != n:
+            raise RuntimeError(
+                "a reply's features cannot be assembled with this trainer's cache: a node "
+                "outside the graph, a node left out of the reply that this trainer does not "
+                "cache, or a reply whose row count differs from its present-mask (trainer and "
+                "servers disagree on --cache-ratio / hot_rank.npy)")
+        served = n - rows.shape[0]
+        self.rows_served += served
+        self.bytes_saved += served * width * received.element_size()
         return out
