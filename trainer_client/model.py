@@ -470,48 +470,60 @@ class SAGEConv(nn.Module):
 _BITS = 15  # random bits per element of a CPU dropout mask
 
 
-def _drop_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
-    """(True where dropped, scale of the kept) from bulk random bits (see _CpuDropout)."""
+def _keep_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
+    """(True where kept, scale of the kept) from bulk random bits (see _CpuDropout)."""
     n = shape.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
     r = words.view(torch.int16)[:n].view(shape) & ((1 << _BITS) - 1)
     cut = round(p * (1 << _BITS))
-    return r < cut, (1 << _BITS) / ((1 << _BITS) - cut)
+    return r >= cut, (1 << _BITS) / ((1 << _BITS) - cut)
+
+
+def _times_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """``x * keep * scale`` into a new tensor (``keep``: bool, as 0/1 bytes)."""
+    return torch.mul(x, keep.view(torch.uint8)).mul_(scale)
 
 
 class _CpuDropout(torch.autograd.Function):
     """Dropout whose mask comes from bulk random bits: ``torch.bernoulli_`` draws one
     Mersenne-Twister number per element and takes ~0.26 s for a 50,000 x 256 activation on 2
     cores; 64-bit draws cut into 15-bit uniforms take ~0.03 s. The drop probability is rounded
-    to a multiple of 2**-15 (exact for 0.5) and kept rows are scaled by 1 / (1 - that)."""
+    to a multiple of 2**-15 (exact for 0.5) and kept rows are scaled by 1 / (1 - that).
+
+    The mask is applied as a product with its bytes, as ``nn.Dropout`` applies its own (a
+    dropped NaN or infinity becomes NaN there too): ``masked_fill`` with a bool mask took
+    12.2 ms for a 25,600 x 256 activation on 2 cores here, the product 1.9
+    (docs/benchmarks.md, "Issue 14, session 45")."""
 
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:
-        drop, scale = _drop_mask(x.shape, p)
-        ctx.save_for_backward(drop)
+        keep, scale = _keep_mask(x.shape, p)
+        ctx.save_for_backward(keep)
         ctx.scale = scale
-        return x.masked_fill(drop, 0.0).mul_(scale)
+        return _times_mask(x, keep, scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (drop,) = ctx.saved_tensors
-        return grad.masked_fill(drop, 0.0).mul_(ctx.scale), None
+        (keep,) = ctx.saved_tensors
+        return _times_mask(grad, keep, ctx.scale), None
 
 
 class _ReluDropout(_CpuDropout):
-    """ReLU then :class:`_CpuDropout` (the same mask for the same random state) in one pass,
-    in place on ``x``, keeping one bool mask for the backward: zeroed where dropped or not
-    positive. For a layer output no other backward reads (SAGEConv's ``addmm_``): saves the
-    ReLU's own output tensor, its mask pass and its backward pass."""
+    """ReLU then :class:`_CpuDropout` (the same mask for the same random state), in place on
+    ``x``, keeping one bool mask for the backward: true where kept and passed by the ReLU
+    (positive, or NaN, as ``F.relu``'s backward passes it). For a layer output no other
+    backward reads (SAGEConv's ``addmm_``): saves the ReLU's own output tensor and its
+    backward pass."""
 
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:
-        drop, scale = _drop_mask(x.shape, p)
-        zero = drop.logical_or_(x <= 0)  # NaN stays (as through ReLU)
+        keep, scale = _keep_mask(x.shape, p)
+        x.clamp_min_(0)  # the ReLU (NaN stays)
+        keep.logical_and_((x <= 0).logical_not_())
         ctx.mark_dirty(x)
-        ctx.save_for_backward(zero)  # the backward is _CpuDropout's, with this mask
+        ctx.save_for_backward(keep)  # the backward is _CpuDropout's, with this mask
         ctx.scale = scale
-        return x.masked_fill_(zero, 0.0).mul_(scale)
+        return x.mul_(keep.view(torch.uint8)).mul_(scale)
 
 
 class Dropout(nn.Dropout):
