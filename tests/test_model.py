@@ -218,12 +218,13 @@ def test_graphsage_shapes():
 
 def test_cpu_dropout_drops_with_probability_p_and_scales():
     """The fast CPU dropout: P(drop) = p (within sampling error), kept values scaled by
-    1/(1-p), the same mask in backward, identity in eval mode."""
+    1/(1-p), the same mask in backward, identity in eval mode; for p a multiple of 1/2, 1/4
+    or 1/16 (1, 2 or 4 random bits an element) and for others (15 bits)."""
     from trainer_client.model import Dropout
 
     torch.manual_seed(0)
     x = torch.randn(400, 500, requires_grad=True)
-    for p in (0.1, 0.5, 0.8):
+    for p in (0.1, 0.5, 0.8, 0.25, 0.75, 0.0625):
         drop = Dropout(p)
         y = drop(x)
         dropped = y == 0
@@ -241,6 +242,28 @@ def test_cpu_dropout_drops_with_probability_p_and_scales():
     b = d(x)
     torch.manual_seed(1)
     assert not torch.equal(a == 0, b == 0) and torch.equal(d(x) == 0, a == 0)
+
+
+def test_dropout_byte_tables_unpack_each_field_of_a_random_byte():
+    """The table behind the few-bit masks: entry k viewed as bools is, for each ``bits``-bit
+    field of k from the lowest, whether it is >= cut; the masks' elements of one random word
+    are independent fair draws (no bit of an int64 that torch's random_ leaves 0 is used)."""
+    from trainer_client.model import _byte_table, _keep_mask
+
+    for bits, cut in ((1, 1), (2, 1), (2, 3), (4, 5)):
+        per = 8 // bits
+        got = _byte_table(bits, cut).view(torch.bool).view(256, per)
+        want = torch.tensor([[((k >> (j * bits)) & ((1 << bits) - 1)) >= cut
+                              for j in range(per)] for k in range(256)])
+        assert torch.equal(got, want), (bits, cut)
+    torch.manual_seed(3)
+    keep, scale = _keep_mask(torch.Size([4000, 56]), 0.5)
+    assert scale == 2.0 and keep.shape == (4000, 56)
+    assert abs(keep.float().mean().item() - 0.5) < 0.004  # an always-0 bit would give 0.492
+    by_position = keep.float().mean(0)  # each of a word's 56 elements is kept half the time
+    assert ((by_position - 0.5).abs() < 0.04).all(), by_position
+    a, b = keep[:, :-1].float(), keep[:, 1:].float()
+    assert abs((a * b).mean().item() - 0.25) < 0.01  # neighbours independent
 
 
 def test_fused_relu_dropout_equals_relu_then_dropout():

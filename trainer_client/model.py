@@ -470,9 +470,43 @@ class SAGEConv(nn.Module):
 _BITS = 15  # random bits per element of a CPU dropout mask
 
 
+def _byte_table(bits: int, cut: int) -> Tensor:
+    """[256] integers of ``8 // bits`` bytes: byte j of entry k is 1 where k's j-th
+    ``bits``-bit field is >= ``cut`` (kept), else 0: looked up by a random byte, the entry
+    viewed as bools is the keep mask of ``8 // bits`` elements."""
+    per = 8 // bits
+    k = torch.arange(256, dtype=torch.int64)
+    table = torch.zeros(256, dtype=torch.int64)
+    for j in range(per):
+        table |= (((k >> (j * bits)) & ((1 << bits) - 1)) >= cut).long() << (8 * j)
+    return table.to({8: torch.int64, 4: torch.int32, 2: torch.int16}[per])
+
+
+_BYTE_TABLES: dict[tuple[int, int], Tensor] = {}
+
+
 def _keep_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
-    """(True where kept, scale of the kept) from bulk random bits (see _CpuDropout)."""
+    """(True where kept, scale of the kept) from bulk random bits (see _CpuDropout).
+
+    Where ``p`` is a multiple of 2**-b for b = 1, 2 or 4 (0.5, 0.25, 0.75, ...: exact), each
+    element takes b random bits, unpacked by a 256-entry table lookup per random byte:
+    one 64-bit draw serves 56 elements at p = 0.5 (7 of its bytes; torch's ``random_``
+    leaves an int64's top bit 0), and a 25,068 x 256 mask took 3.1 ms against 8.1 with 15
+    bits an element (docs/benchmarks.md, "Issue 14, session 45"). Otherwise 15 bits an
+    element, with ``p`` rounded to a multiple of 2**-15."""
     n = shape.numel()
+    for bits in (1, 2, 4):
+        cut = p * (1 << bits)
+        if cut != int(cut):
+            continue
+        cut, per = int(cut), 8 // bits
+        table = _BYTE_TABLES.get((bits, cut))
+        if table is None:
+            table = _BYTE_TABLES[(bits, cut)] = _byte_table(bits, cut)
+        words = torch.empty(-(-n // (7 * per)), dtype=torch.int64).random_()
+        drawn = words.view(torch.uint8).view(-1, 8)[:, :7]  # the 7 bytes of 63 random bits
+        keep = table[drawn.long()].view(torch.bool).view(-1)[:n].view(shape)
+        return keep, (1 << bits) / ((1 << bits) - cut)
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
     r = words.view(torch.int16)[:n].view(shape) & ((1 << _BITS) - 1)
     cut = round(p * (1 << _BITS))
