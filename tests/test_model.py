@@ -290,9 +290,13 @@ def test_fused_relu_dropout_equals_relu_then_dropout():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-6, atol=1e-6, msg=name)
     from trainer_client.model import _ReluDropout
 
-    y = _ReluDropout.apply(torch.tensor([[-1.0, 0.0, float("nan"), 2.0]]).repeat(64, 1), 0.5)
+    base = torch.tensor([[-1.0, 0.0, float("nan"), 2.0]]).repeat(64, 1).requires_grad_()
+    y = _ReluDropout.apply(base * 1.0, 0.5)
     assert (y[:, :2] == 0).all() and torch.isnan(y[:, 2]).any()  # NaN passes as through ReLU
     assert ((y[:, 3] == 0) | (y[:, 3] == 4.0)).all() and (y[:, 3] == 0).any()
+    (g,) = torch.autograd.grad(y.sum(), base)  # the backward's mask read off the output
+    assert (g[:, :2] == 0).all() and (g[:, 2] == 2.0).all()  # and NaN's gradient passes
+    assert torch.equal(g[:, 3], (y[:, 3] == 4.0).float() * 2.0)
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -542,22 +542,31 @@ class _CpuDropout(torch.autograd.Function):
         return _times_mask(grad, keep, ctx.scale), None
 
 
-class _ReluDropout(_CpuDropout):
+class _ReluDropout(torch.autograd.Function):
     """ReLU then :class:`_CpuDropout` (the same mask for the same random state), in place on
-    ``x``, keeping one bool mask for the backward: true where kept and passed by the ReLU
-    (positive, or NaN, as ``F.relu``'s backward passes it). For a layer output no other
-    backward reads (SAGEConv's ``addmm_``): saves the ReLU's own output tensor and its
-    backward pass."""
+    ``x``. For a layer output no other backward reads (SAGEConv's ``addmm_``): saves the
+    ReLU's own output tensor and its backward pass.
+
+    The backward reads its mask off the output ``y`` (saved, no mask of its own): ``y > 0``
+    exactly where an element was kept and positive, so the gradient is
+    ``threshold_backward(grad, y, 0) * scale``, one pass as ReLU's own backward, NaN passed
+    as there; building a bool mask of kept and positive in the forward took two more passes.
+    (Where a kept positive element was infinite, or a dropped one was, ``y`` is infinite or
+    NaN and its gradient passes, as through ReLU.)"""
 
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:
         keep, scale = _keep_mask(x.shape, p)
-        x.clamp_min_(0)  # the ReLU (NaN stays)
-        keep.logical_and_((x <= 0).logical_not_())
+        x.clamp_min_(0).mul_(keep.view(torch.uint8)).mul_(scale)  # the ReLU (NaN stays)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(keep)  # the backward is _CpuDropout's, with this mask
+        ctx.save_for_backward(x)
         ctx.scale = scale
-        return x.mul_(keep.view(torch.uint8)).mul_(scale)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (y,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, y, 0).mul_(ctx.scale), None
 
 
 class Dropout(nn.Dropout):
