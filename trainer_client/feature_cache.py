@@ -67,9 +67,9 @@ class FeatureCache:
         With a CUDA cache the work is queued on the current stream and nothing waits for the
         device: the three index vectors go over in one page-locked copy, the received rows
         (page-locked in a ring slot) without a wait either. Run on the loader's copy stream, the
-        assembly
-        overlaps the previous batch's compute (on the default stream it would queue behind it,
-        and a pageable copy or a device-side ``nonzero`` would make the host wait for both).
+        assembly overlaps the previous batch's compute (on the default stream it would queue
+        behind it, and a pageable copy or a device-side ``nonzero`` would make the host wait
+        for both).
         A CPU cache assembles in one pass of a native kernel where it is loaded
         (:meth:`_assemble_native`)."""
         if self.device.type == "cpu":
@@ -103,9 +103,9 @@ class FeatureCache:
         """:meth:`assemble` for a CPU cache by common/native.c's ``mfg_assemble_rows``: each
         row copied once, in order, from the reply or the cache (the torch path copies the
         cached rows twice, through ``index_select`` and ``index_copy_``: 27 ms of CPU against
-        16 for an RMAT batch, docs/benchmarks.md, "Issue 14, session 45"). None where the kernel does not apply
-        (not loaded, a reply of another dtype than the cache's, int64 cache slots): the caller
-        takes the torch path."""
+        16 for an RMAT batch, docs/benchmarks.md, "Issue 14, session 45"). None where the
+        kernel does not apply (not loaded, a reply of another dtype than the cache's, int64
+        cache slots): the caller takes the torch path."""
         lib = native.load()
         if (lib is None or self.slot.dtype != torch.int32 or received.dtype != self.feat.dtype
                 or input_nodes.dtype != torch.int64 or present.dtype != torch.bool):
@@ -123,7 +123,7 @@ class FeatureCache:
         got = lib.mfg_assemble_rows(
             self.feat.data_ptr(), row_bytes, self.feat.shape[0], self.slot.data_ptr(),
             self.slot.numel(), nodes.data_ptr(), mask.data_ptr(), n, rows.data_ptr(),
-            rows.shape[0] if rows.dim() else 0, out.data_ptr())
+            rows.shape[0], out.data_ptr())
         if got != n:
             raise RuntimeError(
                 "a reply's features cannot be assembled with this trainer's cache: a node "

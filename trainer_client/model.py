@@ -19,6 +19,8 @@ and memory passes, and every full-size temporary costs page faults and passes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -470,6 +472,7 @@ class SAGEConv(nn.Module):
 _BITS = 15  # random bits per element of a CPU dropout mask
 
 
+@functools.cache
 def _byte_table(bits: int, cut: int) -> Tensor:
     """[256] integers of ``8 // bits`` bytes: byte j of entry k is 1 where k's j-th
     ``bits``-bit field is >= ``cut`` (kept), else 0: looked up by a random byte, the entry
@@ -480,9 +483,6 @@ def _byte_table(bits: int, cut: int) -> Tensor:
     for j in range(per):
         table |= (((k >> (j * bits)) & ((1 << bits) - 1)) >= cut).long() << (8 * j)
     return table.to({8: torch.int64, 4: torch.int32, 2: torch.int16}[per])
-
-
-_BYTE_TABLES: dict[tuple[int, int], Tensor] = {}
 
 
 def _keep_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
@@ -500,9 +500,7 @@ def _keep_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
         if cut != int(cut):
             continue
         cut, per = int(cut), 8 // bits
-        table = _BYTE_TABLES.get((bits, cut))
-        if table is None:
-            table = _BYTE_TABLES[(bits, cut)] = _byte_table(bits, cut)
+        table = _byte_table(bits, cut)
         words = torch.empty(-(-n // (7 * per)), dtype=torch.int64).random_()
         drawn = words.view(torch.uint8).view(-1, 8)[:, :7]  # the 7 bytes of 63 random bits
         keep = table[drawn.long()].view(torch.bool).view(-1)[:n].view(shape)
@@ -519,10 +517,11 @@ def _times_mask(x: Tensor, keep: Tensor, scale: float) -> Tensor:
 
 
 class _CpuDropout(torch.autograd.Function):
-    """Dropout whose mask comes from bulk random bits: ``torch.bernoulli_`` draws one
-    Mersenne-Twister number per element and takes ~0.26 s for a 50,000 x 256 activation on 2
-    cores; 64-bit draws cut into 15-bit uniforms take ~0.03 s. The drop probability is rounded
-    to a multiple of 2**-15 (exact for 0.5) and kept rows are scaled by 1 / (1 - that).
+    """Dropout whose mask comes from bulk random bits (:func:`_keep_mask`):
+    ``torch.bernoulli_`` draws one Mersenne-Twister number per element and takes ~0.26 s for a
+    50,000 x 256 activation on 2 cores; 64-bit draws cut into 15-bit uniforms take ~0.03 s,
+    and 1, 2 or 4 bits an element where p allows it less. The drop probability is rounded to
+    a multiple of 2**-15 (exact for 0.5) and kept rows are scaled by 1 / (1 - that).
 
     The mask is applied as a product with its bytes, as ``nn.Dropout`` applies its own (a
     dropped NaN or infinity becomes NaN there too): ``masked_fill`` with a bool mask took
