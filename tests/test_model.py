@@ -299,6 +299,71 @@ def test_fused_relu_dropout_equals_relu_then_dropout():
     assert torch.equal(g[:, 3], (y[:, 3] == 4.0).float() * 2.0)
 
 
+@pytest.mark.parametrize("empty_layer", [None, 1])
+def test_relu_in_the_next_layers_mean_equals_relu_after_each_layer(empty_layer):
+    """Without dropout GraphSAGE.forward applies each ReLU inside the next layer's mean
+    (model._MeanAggregate's ``relu``: the mask applied in place in its backward, no ReLU node):
+    the same output and the same gradients, bit for bit, as forward_layer's ReLU after each
+    layer, with a block without edges, and in eval mode without gradients."""
+    from trainer_client.model import LayerwiseGNN
+
+    sizes = [90, 40, 15, 6]
+    blocks = [random_block(s, d, 0 if i == empty_layer else 6, seed=70 + i)
+              for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    model = GraphSAGE(12, 32, 5, 3, dropout=0.0)
+    x = torch.randn(90, 12)
+
+    def by_layer(blocks, x):
+        h = x
+        for i, block in enumerate(blocks):
+            h = LayerwiseGNN.forward_layer(model, i, block, h)
+        return h[: blocks[-1].num_dst_nodes()]
+
+    results = []
+    for forward in (model, by_layer):
+        model.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = forward(blocks, xi)
+        out.pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((out, xi.grad, grads))
+    (out_a, gx_a, ga), (out_b, gx_b, gb) = results
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    torch.testing.assert_close(gx_a, gx_b, rtol=0, atol=0)
+    assert (gx_a != 0).any()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=0, atol=0, msg=name)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(blocks, x), by_layer(blocks, x), rtol=0, atol=0)
+
+
+def test_mean_with_relu_equals_relu_then_mean():
+    """mean_and_self(relu=True) against F.relu then mean_and_self: the same mean, self term
+    and gradient, with a NaN passing forward and back as through ReLU; with only its self
+    term used, the gradient is that term's, masked, and zero after the destinations."""
+    from trainer_client.model import mean_and_self
+
+    block = random_block(20, 8, 4, seed=5)
+    base = torch.randn(20, 6)
+    base[2, 1] = base[11, 4] = float("nan")
+    got = []
+    for fused in (True, False):
+        leaf = base.clone().requires_grad_()
+        h = leaf * 1.0
+        agg, dst = (mean_and_self(block, h, relu=True) if fused
+                    else mean_and_self(block, torch.relu(h)))
+        (agg.sum() + (dst * 2).sum()).backward()
+        got.append((agg, dst, leaf.grad))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[0][1][2, 1]) and got[0][2][2, 1] == got[1][2][2, 1] != 0
+    leaf = base.clone().requires_grad_()
+    _, dst = mean_and_self(block, leaf * 1.0, relu=True)
+    (g,) = torch.autograd.grad(dst.sum(), leaf)
+    assert torch.equal(g[:8], (~(base[:8] <= 0)).float()) and (g[8:] == 0).all()
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("need_x", [True, False])
 def test_narrow_terms_take_one_product_with_the_same_results(monkeypatch, bias, need_x):

@@ -38,34 +38,55 @@ class _MeanAggregate(torch.autograd.Function):
     backward then adds that term's gradient into the first rows of the one gradient it writes
     for ``x``, instead of autograd zero-filling a full-size gradient for the slice and adding
     the two (three passes over a [num_src, width] tensor per layer).
+
+    With ``relu`` it first applies the previous layer's ReLU to ``x`` in place (``x`` is then
+    a third output, for autograd's version tracking) and its backward masks the gradient it
+    wrote by the ReLU's output, in place: no ReLU node of its own, which would write a
+    second ``[num_src, width]`` gradient (:class:`GraphSAGE`'s seed model, no dropout).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, block: Block, with_dst: bool, rows: int):
-        ctx.block, ctx.x_rows = block, x.shape[0]
+    def forward(ctx, x: Tensor, block: Block, with_dst: bool, rows: int, relu: bool = False):
+        ctx.block, ctx.x_rows, ctx.relu = block, x.shape[0], relu
+        if relu:
+            ctx.set_materialize_grads(False)
+            x.clamp_min_(0)  # NaN stays, as in F.relu
+            ctx.mark_dirty(x)
+            ctx.save_for_backward(x)
         num_dst = block.num_dst_nodes()
         idx, off, w = block.mean_bags(x.dtype)
         agg = F.embedding_bag(idx, x, _pad_offsets(off, rows - num_dst), mode="sum",
                               per_sample_weights=w, include_last_offset=True)
         if not with_dst:
-            return agg
+            return (agg, x) if relu else agg
         if rows == num_dst:
-            return agg, x[:num_dst].clone()
-        return agg, F.pad(x[:num_dst], (0, 0, 0, rows - num_dst))
+            dst = x[:num_dst].clone()
+        else:
+            dst = F.pad(x[:num_dst], (0, 0, 0, rows - num_dst))
+        return (agg, dst, x) if relu else (agg, dst)
 
     @staticmethod
-    def backward(ctx, grad_agg: Tensor, grad_dst: Tensor | None = None):
+    def backward(ctx, grad_agg: Tensor | None, grad_dst: Tensor | None = None,
+                 grad_x: Tensor | None = None):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         block = ctx.block
-        idx, off, w = block.mean_bags_t(grad_agg.dtype)
-        grad = F.embedding_bag(idx, grad_agg.contiguous(),
-                               _pad_offsets(off, ctx.x_rows - block.num_src_nodes()),
-                               mode="sum", per_sample_weights=w, include_last_offset=True)
+        if grad_agg is None:  # only with relu (no materialized zeros)
+            grad = grad_dst.new_zeros((ctx.x_rows, grad_dst.shape[1]))
+        else:
+            idx, off, w = block.mean_bags_t(grad_agg.dtype)
+            grad = F.embedding_bag(idx, grad_agg.contiguous(),
+                                   _pad_offsets(off, ctx.x_rows - block.num_src_nodes()),
+                                   mode="sum", per_sample_weights=w, include_last_offset=True)
         if grad_dst is not None:
             num_dst = block.num_dst_nodes()
             grad[:num_dst] += grad_dst[:num_dst]
-        return grad, None, None, None
+        if grad_x is not None:
+            grad += grad_x
+        if ctx.relu:
+            (y,) = ctx.saved_tensors
+            torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
+        return grad, None, None, None, None
 
 
 def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
@@ -201,15 +222,21 @@ def _leading_rows(h_src: Tensor, num_dst: int, rows: int) -> Tensor:
     return F.pad(h_src[:num_dst], (0, 0, 0, rows - num_dst))
 
 
-def mean_and_self(block: Block, h_src: Tensor,
-                  rows: int | None = None) -> tuple[Tensor, Tensor]:
+def mean_and_self(block: Block, h_src: Tensor, rows: int | None = None,
+                  relu: bool = False) -> tuple[Tensor, Tensor]:
     """``(mean_aggregate(block, h_src), h_src[:num_dst])`` with one gradient for ``h_src``
     (see :class:`_MeanAggregate`); a plain slice when ``h_src`` needs no gradient. ``rows``
-    (>= num_dst) pads both to that many rows (:func:`gemm_rows`)."""
+    (>= num_dst) pads both to that many rows (:func:`gemm_rows`). ``relu``: ReLU ``h_src``
+    in place first (with a gradient, its backward is the mean's, see :class:`_MeanAggregate`)."""
     num_dst = block.num_dst_nodes()
     rows = num_dst if rows is None else rows
     if block.num_edges() == 0 or not (h_src.requires_grad and torch.is_grad_enabled()):
+        if relu:
+            h_src = F.relu(h_src, inplace=True)
         return mean_aggregate(block, h_src, rows), _leading_rows(h_src, num_dst, rows)
+    if relu:
+        agg, dst, _ = _MeanAggregate.apply(h_src, block, True, rows, True)
+        return agg, dst
     return _MeanAggregate.apply(h_src, block, True, rows)
 
 
@@ -263,6 +290,7 @@ class _LinearSum(torch.autograd.Function):
             got.append(grad.mm(w) if need[1 + i] else None)
             got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
         return tuple(got)
+
 
 
 class _LinearSumNarrow(torch.autograd.Function):
@@ -454,17 +482,20 @@ class SAGEConv(nn.Module):
         nn.init.xavier_uniform_(self.fc_self.weight, gain=gain)
         nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
 
-    def forward(self, block: Block, h_src: Tensor) -> Tensor:
+    def forward(self, block: Block, h_src: Tensor, relu_input: bool = False) -> Tensor:
         """``[rows, out]``: the block's destinations first; ``rows`` is ``num_dst`` or
         :func:`gemm_rows`'s bucket (the rows after ``num_dst`` are read by no one, and their
         gradients are zeros: the layer above pads its gradient with empty bags and the
-        model's output is sliced to the seeds, see :meth:`GraphSAGE.forward`)."""
+        model's output is sliced to the seeds, see :meth:`GraphSAGE.forward`).
+        ``relu_input``: ReLU ``h_src`` (in place) first, the previous layer's activation."""
         num_dst = block.num_dst_nodes()
         rows = gemm_rows(num_dst, h_src.device)
         if project_first(block, self.in_feats, self.out_feats):
+            if relu_input:
+                h_src = F.relu(h_src, inplace=True)
             h_neigh = mean_aggregate(block, self.fc_neigh(h_src), rows)
             return self.fc_self(_leading_rows(h_src, num_dst, rows)) + h_neigh
-        h_neigh, h_dst = mean_and_self(block, h_src, rows)
+        h_neigh, h_dst = mean_and_self(block, h_src, rows, relu=relu_input)
         return linear_sum(self.fc_self.bias, [(h_dst, self.fc_self.weight),
                                               (h_neigh, self.fc_neigh.weight)])
 
@@ -652,6 +683,13 @@ class GraphSAGE(LayerwiseGNN):
     def forward(self, blocks, x: Tensor) -> Tensor:
         self._check_blocks(blocks)
         h = x
-        for i, block in enumerate(blocks):
-            h = LayerwiseGNN.forward_layer(self, i, block, h)
+        d = self.dropout
+        if d.training and 0 < d.p:
+            for i, block in enumerate(blocks):
+                h = LayerwiseGNN.forward_layer(self, i, block, h)
+        else:
+            # no dropout: each ReLU is applied by the next layer's mean (one backward pass
+            # for both, see _MeanAggregate), the same function as forward_layer's
+            for i, block in enumerate(blocks):
+                h = self.layers[i](block, h, relu_input=i > 0)
         return h[: blocks[-1].num_dst_nodes()]
