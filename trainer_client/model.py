@@ -39,54 +39,64 @@ class _MeanAggregate(torch.autograd.Function):
     for ``x``, instead of autograd zero-filling a full-size gradient for the slice and adding
     the two (three passes over a [num_src, width] tensor per layer).
 
-    With ``relu`` it first applies the previous layer's ReLU to ``x`` in place (``x`` is then
-    a third output, for autograd's version tracking) and its backward masks the gradient it
-    wrote by the ReLU's output, in place: no ReLU node of its own, which would write a
-    second ``[num_src, width]`` gradient (:class:`GraphSAGE`'s seed model, no dropout).
+    With ``relu`` it first applies the previous layer's activation to ``x``: ReLU, then, where
+    ``keep`` is given, dropout (``x * keep * scale``, :func:`_keep_mask`'s mask and scale).
+    ``x`` is changed in place to ``relu(x) * keep`` and becomes a third output (for autograd's
+    version tracking); the scale goes into the mean's weights and the self term's copy, so no
+    pass over ``x`` applies it. The backward masks the gradient it wrote by that ``x``, in
+    place (``x > 0`` exactly where an element was kept and positive; NaN's gradient passes as
+    through ReLU, a dropped NaN's too, where dropout's backward would zero it: its NaN
+    reaches the loss either way), and scales by the weights and the self term's addition: no ReLU or dropout node,
+    each of which would write a further ``[num_src, width]`` gradient (:class:`GraphSAGE`).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, block: Block, with_dst: bool, rows: int, relu: bool = False):
-        ctx.block, ctx.x_rows, ctx.relu = block, x.shape[0], relu
+    def forward(ctx, x: Tensor, block: Block, with_dst: bool, rows: int, relu: bool = False,
+                keep: Tensor | None = None, scale: float = 1.0):
+        ctx.block, ctx.x_rows, ctx.relu, ctx.scale = block, x.shape[0], relu, scale
         if relu:
             ctx.set_materialize_grads(False)
             x.clamp_min_(0)  # NaN stays, as in F.relu
+            if keep is not None:
+                x.mul_(keep.view(torch.uint8))
             ctx.mark_dirty(x)
             ctx.save_for_backward(x)
         num_dst = block.num_dst_nodes()
         idx, off, w = block.mean_bags(x.dtype)
         agg = F.embedding_bag(idx, x, _pad_offsets(off, rows - num_dst), mode="sum",
-                              per_sample_weights=w, include_last_offset=True)
+                              per_sample_weights=w if scale == 1.0 else w * scale,
+                              include_last_offset=True)
         if not with_dst:
             return (agg, x) if relu else agg
-        if rows == num_dst:
-            dst = x[:num_dst].clone()
-        else:
-            dst = F.pad(x[:num_dst], (0, 0, 0, rows - num_dst))
+        head = x[:num_dst]
+        dst = head.clone() if scale == 1.0 else torch.mul(head, scale)
+        if rows != num_dst:
+            dst = F.pad(dst, (0, 0, 0, rows - num_dst))
         return (agg, dst, x) if relu else (agg, dst)
 
     @staticmethod
     def backward(ctx, grad_agg: Tensor | None, grad_dst: Tensor | None = None,
                  grad_x: Tensor | None = None):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        block = ctx.block
+            return None, None, None, None, None, None, None
+        block, scale = ctx.block, ctx.scale
         if grad_agg is None:  # only with relu (no materialized zeros)
             grad = grad_dst.new_zeros((ctx.x_rows, grad_dst.shape[1]))
         else:
             idx, off, w = block.mean_bags_t(grad_agg.dtype)
             grad = F.embedding_bag(idx, grad_agg.contiguous(),
                                    _pad_offsets(off, ctx.x_rows - block.num_src_nodes()),
-                                   mode="sum", per_sample_weights=w, include_last_offset=True)
+                                   mode="sum", per_sample_weights=w if scale == 1.0
+                                   else w * scale, include_last_offset=True)
         if grad_dst is not None:
             num_dst = block.num_dst_nodes()
-            grad[:num_dst] += grad_dst[:num_dst]
-        if grad_x is not None:
+            grad[:num_dst].add_(grad_dst[:num_dst], alpha=scale)
+        if grad_x is not None:  # the third output, relu(x) * keep, unscaled
             grad += grad_x
         if ctx.relu:
             (y,) = ctx.saved_tensors
             torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
@@ -223,21 +233,34 @@ def _leading_rows(h_src: Tensor, num_dst: int, rows: int) -> Tensor:
 
 
 def mean_and_self(block: Block, h_src: Tensor, rows: int | None = None,
-                  relu: bool = False) -> tuple[Tensor, Tensor]:
+                  relu_dropout: float | None = None) -> tuple[Tensor, Tensor]:
     """``(mean_aggregate(block, h_src), h_src[:num_dst])`` with one gradient for ``h_src``
     (see :class:`_MeanAggregate`); a plain slice when ``h_src`` needs no gradient. ``rows``
-    (>= num_dst) pads both to that many rows (:func:`gemm_rows`). ``relu``: ReLU ``h_src``
-    in place first (with a gradient, its backward is the mean's, see :class:`_MeanAggregate`)."""
+    (>= num_dst) pads both to that many rows (:func:`gemm_rows`). ``relu_dropout`` (a drop
+    probability, 0 for none): the previous layer's ReLU and training-mode dropout applied to
+    ``h_src`` (in place) first; with a gradient, their backward is the mean's."""
     num_dst = block.num_dst_nodes()
     rows = num_dst if rows is None else rows
     if block.num_edges() == 0 or not (h_src.requires_grad and torch.is_grad_enabled()):
-        if relu:
-            h_src = F.relu(h_src, inplace=True)
+        if relu_dropout is not None:
+            h_src = relu_dropout_(h_src, relu_dropout)
         return mean_aggregate(block, h_src, rows), _leading_rows(h_src, num_dst, rows)
-    if relu:
-        agg, dst, _ = _MeanAggregate.apply(h_src, block, True, rows, True)
-        return agg, dst
-    return _MeanAggregate.apply(h_src, block, True, rows)
+    if relu_dropout is None:
+        return _MeanAggregate.apply(h_src, block, True, rows)
+    keep, scale = _keep_mask(h_src.shape, relu_dropout) if relu_dropout > 0 else (None, 1.0)
+    agg, dst, _ = _MeanAggregate.apply(h_src, block, True, rows, True, keep, scale)
+    return agg, dst
+
+
+def relu_dropout_(h: Tensor, p: float) -> Tensor:
+    """ReLU (in place) on ``h``, then training-mode dropout with probability ``p`` (0: none)
+    as :class:`Dropout` applies it."""
+    h = F.relu(h, inplace=True)
+    if p == 0:
+        return h
+    if h.device.type == "cpu" and p < 1:
+        return _CpuDropout.apply(h, p)
+    return F.dropout(h, p, training=True)
 
 
 def project_first(block: Block, in_feats: int, out_feats: int) -> bool:
@@ -482,20 +505,22 @@ class SAGEConv(nn.Module):
         nn.init.xavier_uniform_(self.fc_self.weight, gain=gain)
         nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
 
-    def forward(self, block: Block, h_src: Tensor, relu_input: bool = False) -> Tensor:
+    def forward(self, block: Block, h_src: Tensor,
+                relu_dropout: float | None = None) -> Tensor:
         """``[rows, out]``: the block's destinations first; ``rows`` is ``num_dst`` or
         :func:`gemm_rows`'s bucket (the rows after ``num_dst`` are read by no one, and their
         gradients are zeros: the layer above pads its gradient with empty bags and the
         model's output is sliced to the seeds, see :meth:`GraphSAGE.forward`).
-        ``relu_input``: ReLU ``h_src`` (in place) first, the previous layer's activation."""
+        ``relu_dropout``: the previous layer's activation, applied to ``h_src`` (in place)
+        first: ReLU, then training-mode dropout with that probability (0: none)."""
         num_dst = block.num_dst_nodes()
         rows = gemm_rows(num_dst, h_src.device)
         if project_first(block, self.in_feats, self.out_feats):
-            if relu_input:
-                h_src = F.relu(h_src, inplace=True)
+            if relu_dropout is not None:
+                h_src = relu_dropout_(h_src, relu_dropout)
             h_neigh = mean_aggregate(block, self.fc_neigh(h_src), rows)
             return self.fc_self(_leading_rows(h_src, num_dst, rows)) + h_neigh
-        h_neigh, h_dst = mean_and_self(block, h_src, rows, relu=relu_input)
+        h_neigh, h_dst = mean_and_self(block, h_src, rows, relu_dropout)
         return linear_sum(self.fc_self.bias, [(h_dst, self.fc_self.weight),
                                               (h_neigh, self.fc_neigh.weight)])
 
@@ -572,33 +597,6 @@ class _CpuDropout(torch.autograd.Function):
         return _times_mask(grad, keep, ctx.scale), None
 
 
-class _ReluDropout(torch.autograd.Function):
-    """ReLU then :class:`_CpuDropout` (the same mask for the same random state), in place on
-    ``x``. For a layer output no other backward reads (SAGEConv's ``addmm_``): saves the
-    ReLU's own output tensor and its backward pass.
-
-    The backward reads its mask off the output ``y`` (saved, no mask of its own): ``y > 0``
-    exactly where an element was kept and positive, so the gradient is
-    ``threshold_backward(grad, y, 0) * scale``, one pass as ReLU's own backward, NaN passed
-    as there; building a bool mask of kept and positive in the forward took two more passes.
-    (Where a kept positive element was infinite, or a dropped one was, ``y`` is infinite or
-    NaN and its gradient passes, as through ReLU.)"""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, p: float) -> Tensor:
-        keep, scale = _keep_mask(x.shape, p)
-        x.clamp_min_(0).mul_(keep.view(torch.uint8)).mul_(scale)  # the ReLU (NaN stays)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x)
-        ctx.scale = scale
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (y,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(grad, y, 0).mul_(ctx.scale), None
-
-
 class Dropout(nn.Dropout):
     """``nn.Dropout`` with a faster mask on CPU (see :class:`_CpuDropout`); CUDA and eval
     mode behave exactly like ``nn.Dropout``."""
@@ -638,11 +636,7 @@ class LayerwiseGNN(nn.Module):
         h = self.conv(i, block, h)
         if i == len(self.layers) - 1:
             return h
-        d = self.dropout
-        if (self.inplace_relu and d.training and 0 < d.p < 1 and h.device.type == "cpu"
-                and torch.is_grad_enabled()):
-            return _ReluDropout.apply(h, d.p)
-        return d(F.relu(h, inplace=self.inplace_relu))
+        return self.dropout(F.relu(h, inplace=self.inplace_relu))
 
     def _check_blocks(self, blocks) -> None:
         if len(blocks) != len(self.layers):
@@ -684,12 +678,13 @@ class GraphSAGE(LayerwiseGNN):
         self._check_blocks(blocks)
         h = x
         d = self.dropout
-        if d.training and 0 < d.p:
+        p = d.p if d.training else 0.0
+        if p >= 1 or (p > 0 and x.device.type != "cpu"):
             for i, block in enumerate(blocks):
                 h = LayerwiseGNN.forward_layer(self, i, block, h)
         else:
-            # no dropout: each ReLU is applied by the next layer's mean (one backward pass
-            # for both, see _MeanAggregate), the same function as forward_layer's
+            # each ReLU (and CPU dropout) is applied by the next layer's mean: one backward
+            # pass for the three (see _MeanAggregate), the same function as forward_layer's
             for i, block in enumerate(blocks):
-                h = self.layers[i](block, h, relu_input=i > 0)
+                h = self.layers[i](block, h, p if i > 0 else None)
         return h[: blocks[-1].num_dst_nodes()]
