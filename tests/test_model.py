@@ -266,21 +266,24 @@ def test_dropout_byte_tables_unpack_each_field_of_a_random_byte():
     assert abs((a * b).mean().item() - 0.25) < 0.01  # neighbours independent
 
 
-@pytest.mark.parametrize("empty_layer", [None, 1])
+@pytest.mark.parametrize("empty_layer,last_src", [(None, 15), (1, 15), (None, 7)])
 @pytest.mark.parametrize("dropout", [0.0, 0.5, 0.25, 0.3])
-def test_activation_in_the_next_layers_mean_equals_one_after_each_layer(empty_layer, dropout):
+def test_activation_in_the_next_layers_mean_equals_one_after_each_layer(empty_layer, last_src,
+                                                                         dropout):
     """GraphSAGE.forward (training, CPU) applies each ReLU and dropout inside the next layer's
     mean (model._MeanAggregate: the mask applied in place, the scale in the mean's weights and
     the self term, no ReLU or dropout node): the same output and gradients as
     forward_layer's ReLU then the Dropout module after each layer, for the same random state;
     bit for bit where the scale is a power of two (p 0 and 0.5), with a block without edges,
-    and in eval mode without gradients."""
-    from trainer_client.model import LayerwiseGNN
+    a last layer that projects first (7 sources for 6 destinations, 32 -> 5: the activation
+    applied before, not in a mean) and in eval mode without gradients."""
+    from trainer_client.model import LayerwiseGNN, project_first
 
-    sizes = [90, 40, 15, 6]
+    sizes = [90, 40, last_src, 6]
     blocks = [random_block(s, d, 0 if i == empty_layer else 6, seed=70 + i)
               for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
     model = GraphSAGE(12, 32, 5, 3, dropout=dropout)
+    assert project_first(blocks[2], 32, 5) == (last_src == 7)
     x = torch.randn(90, 12)
 
     def by_layer(blocks, x):
