@@ -318,7 +318,8 @@ def test_mean_with_relu_dropout_equals_relu_dropout_then_mean(p):
     """mean_and_self(relu_dropout=p) against ReLU, the Dropout module, then mean_and_self:
     the same mean, self term and gradient for the same random state, with a NaN passing
     forward as there (and back as through ReLU); with only its self term used, the gradient
-    is that term's, masked and scaled, and zero after the destinations."""
+    is that term's, masked and scaled, and zero after the destinations; padded to more rows
+    than destinations, the same with zero rows after them."""
     from trainer_client.model import Dropout, mean_and_self
 
     block = random_block(20, 8, 4, seed=5)
@@ -346,6 +347,19 @@ def test_mean_with_relu_dropout_equals_relu_dropout_then_mean(p):
     want = torch.where(kept & ~(base[:8] <= 0), scale, 0.0)
     assert torch.equal(g[:8], want) and (g[8:] == 0).all()
     assert torch.isnan(dst[2, 1]) and g[2, 1] == scale
+    padded = []  # rows past the destinations (gemm_rows' buckets): zeros, the rest the same
+    for rows in (8, 11):
+        leaf = base.clone().requires_grad_()
+        torch.manual_seed(7)
+        agg, dst = mean_and_self(block, leaf * 1.0, rows, relu_dropout=p)
+        (agg.sum() + dst.nan_to_num().sum()).backward()
+        padded.append((agg, dst, leaf.grad))
+    (agg8, dst8, g8), (agg11, dst11, g11) = padded
+    assert agg11.shape[0] == dst11.shape[0] == 11
+    assert (agg11[8:] == 0).all() and (dst11[8:] == 0).all()
+    torch.testing.assert_close(agg11[:8], agg8, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dst11[:8], dst8, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(g11, g8, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -69,9 +69,12 @@ class _MeanAggregate(torch.autograd.Function):
         if not with_dst:
             return (agg, x) if relu else agg
         head = x[:num_dst]
-        dst = head.clone() if scale == 1.0 else torch.mul(head, scale)
-        if rows != num_dst:
-            dst = F.pad(dst, (0, 0, 0, rows - num_dst))
+        if rows == num_dst:
+            dst = head.clone() if scale == 1.0 else torch.mul(head, scale)
+        else:
+            dst = F.pad(head, (0, 0, 0, rows - num_dst))
+            if scale != 1.0:
+                dst.mul_(scale)
         return (agg, dst, x) if relu else (agg, dst)
 
     @staticmethod
