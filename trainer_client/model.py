@@ -43,11 +43,13 @@ class _MeanAggregate(torch.autograd.Function):
     ``keep`` is given, dropout (``x * keep * scale``, :func:`_keep_mask`'s mask and scale).
     ``x`` is changed in place to ``relu(x) * keep`` and becomes a third output (for autograd's
     version tracking); the scale goes into the mean's weights and the self term's copy, so no
-    pass over ``x`` applies it. The backward masks the gradient it wrote by that ``x``, in
-    place (``x > 0`` exactly where an element was kept and positive; NaN's gradient passes as
-    through ReLU, a dropped NaN's too, where dropout's backward would zero it: its NaN
-    reaches the loss either way), and scales by the weights and the self term's addition: no ReLU or dropout node,
-    each of which would write a further ``[num_src, width]`` gradient (:class:`GraphSAGE`).
+    pass over ``x`` applies it. The backward scales through the same weights and the self
+    term's addition, then masks the gradient it wrote by that ``x``, in place: ``x > 0``
+    exactly where an element was kept and positive. NaN's gradient passes, as through ReLU;
+    so does a dropped NaN's, which dropout's backward would zero (its NaN reaches the loss
+    either way). No ReLU or dropout node, each of which would write a further
+    ``[num_src, width]`` gradient (:class:`GraphSAGE`; docs/benchmarks.md, "Issue 14,
+    session 46").
     """
 
     @staticmethod
@@ -316,7 +318,6 @@ class _LinearSum(torch.autograd.Function):
             got.append(grad.mm(w) if need[1 + i] else None)
             got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
         return tuple(got)
-
 
 
 class _LinearSumNarrow(torch.autograd.Function):
