@@ -39,8 +39,9 @@ class _MeanAggregate(torch.autograd.Function):
     for ``x``, instead of autograd zero-filling a full-size gradient for the slice and adding
     the two (three passes over a [num_src, width] tensor per layer).
 
-    With ``relu`` it first applies the previous layer's activation to ``x``: ReLU, then, where
-    ``keep`` is given, dropout (``x * keep * scale``, :func:`_keep_mask`'s mask and scale).
+    With ``relu`` (and ``with_dst``) it first applies the previous layer's activation to
+    ``x``: ReLU, then, where ``keep`` is given, dropout (``x * keep * scale``,
+    :func:`_keep_mask`'s mask and scale).
     ``x`` is changed in place to ``relu(x) * keep`` and becomes a third output (for autograd's
     version tracking); the scale goes into the mean's weights and the self term's copy, so no
     pass over ``x`` applies it. The backward scales through the same weights and the self
@@ -69,7 +70,7 @@ class _MeanAggregate(torch.autograd.Function):
                               per_sample_weights=w if scale == 1.0 else w * scale,
                               include_last_offset=True)
         if not with_dst:
-            return (agg, x) if relu else agg
+            return agg
         head = x[:num_dst]
         if rows == num_dst:
             dst = head.clone() if scale == 1.0 else torch.mul(head, scale)
@@ -86,7 +87,8 @@ class _MeanAggregate(torch.autograd.Function):
             return None, None, None, None, None, None, None
         block, scale = ctx.block, ctx.scale
         if grad_agg is None:  # only with relu (no materialized zeros)
-            grad = grad_dst.new_zeros((ctx.x_rows, grad_dst.shape[1]))
+            like = grad_dst if grad_dst is not None else grad_x
+            grad = like.new_zeros((ctx.x_rows, like.shape[1]))
         else:
             idx, off, w = block.mean_bags_t(grad_agg.dtype)
             grad = F.embedding_bag(idx, grad_agg.contiguous(),
@@ -263,9 +265,7 @@ def relu_dropout_(h: Tensor, p: float) -> Tensor:
     h = F.relu(h, inplace=True)
     if p == 0:
         return h
-    if h.device.type == "cpu" and p < 1:
-        return _CpuDropout.apply(h, p)
-    return F.dropout(h, p, training=True)
+    return _CpuDropout.apply(h, p) if cpu_mask_applies(h, p) else F.dropout(h, p, training=True)
 
 
 def project_first(block: Block, in_feats: int, out_feats: int) -> bool:
@@ -601,14 +601,21 @@ class _CpuDropout(torch.autograd.Function):
         return _times_mask(grad, keep, ctx.scale), None
 
 
+def cpu_mask_applies(x: Tensor, p: float) -> bool:
+    """Whether training-mode dropout with probability ``p`` on ``x`` draws its mask by
+    :func:`_keep_mask` (:class:`_CpuDropout`); elsewhere (CUDA, p 0 or >= 1) it is
+    ``F.dropout``'s."""
+    return 0 < p < 1 and x.device.type == "cpu"
+
+
 class Dropout(nn.Dropout):
     """``nn.Dropout`` with a faster mask on CPU (see :class:`_CpuDropout`); CUDA and eval
     mode behave exactly like ``nn.Dropout``."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0 or x.device.type != "cpu" or self.p >= 1:
-            return super().forward(x)
-        return _CpuDropout.apply(x, self.p)
+        if self.training and cpu_mask_applies(x, self.p):
+            return _CpuDropout.apply(x, self.p)
+        return super().forward(x)
 
 
 class LayerwiseGNN(nn.Module):
@@ -683,7 +690,7 @@ class GraphSAGE(LayerwiseGNN):
         h = x
         d = self.dropout
         p = d.p if d.training else 0.0
-        if p >= 1 or (p > 0 and x.device.type != "cpu"):
+        if p > 0 and not cpu_mask_applies(x, p):  # nn.Dropout's own mask, after each layer
             for i, block in enumerate(blocks):
                 h = LayerwiseGNN.forward_layer(self, i, block, h)
         else:
