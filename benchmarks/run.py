@@ -72,11 +72,13 @@ from benchmarks.report import (
     apply_malloc,
     at_least,
     command_line,
+    cpu_times,
     emit_summary,
     int_list,
     logger,
     machine_info,
     ratio,
+    steal_share,
 )
 from common.config import MATMUL_PRECISIONS, PREFETCH_MODES
 from partition.layout import PartitionSetMeta
@@ -412,6 +414,12 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     return res
 
 
+#: what each measurement records of the machine around it, beside its figures: the 1-minute
+#: load average before and after, and the share of the machine's CPU time its hypervisor gave
+#: other guests meanwhile (steal; :func:`benchmarks.report.steal_share`)
+EVIDENCE_KEYS = ("loadavg_1m", "cpu_steal_share")
+
+
 class Steps:
     """The measurements of one run, per family: each one's result, or its error (one failed
     measurement must not lose the others)."""
@@ -424,7 +432,7 @@ class Steps:
     def _attempt(self, where: str, fn):
         log(f"{where}: start")
         t0 = time.perf_counter()
-        load0 = os.getloadavg()[0]
+        load0, times0 = os.getloadavg()[0], cpu_times()
         try:
             out = fn()
         except Exception as e:  # one failed measurement must not lose the others
@@ -432,16 +440,18 @@ class Steps:
             log(f"{where}: FAILED after {time.perf_counter() - t0:.1f}s\n"
                 f"{traceback.format_exc()}")
             return None
-        # Other processes on the machine distort every figure: keep the evidence.
-        load = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        # Other processes on the machine, and other guests on its host, distort every figure:
+        # keep the evidence (EVIDENCE_KEYS).
+        seen = {"loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                "cpu_steal_share": steal_share(times0, cpu_times())}
         log(f"{where}: done in {time.perf_counter() - t0:.1f}s: {json.dumps(out)}")
-        return out, load
+        return out, seen
 
     def run(self, family: str, name: str, fn) -> None:
         got = self._attempt(f"{family}/{name}", fn)
         if got is not None:
-            res, load = got
-            res["loadavg_1m"] = load
+            res, seen = got
+            res.update(seen)
             self.results.setdefault(family, {})[name] = res
 
     def run_many(self, family: str, name: str, fn) -> None:
@@ -455,9 +465,10 @@ class Steps:
 
         got = self._attempt(f"{family}/{name}", checked)
         if got is not None:
-            out, load = got
+            out, seen = got
             for k, v in out.items():
-                v.setdefault("loadavg_1m", load)
+                for key, value in seen.items():
+                    v.setdefault(key, value)
                 self.results.setdefault(family, {})[k] = v
                 self.module_results.setdefault(family, []).append(k)
 
@@ -717,7 +728,8 @@ def compute_ratios(results: dict, args: argparse.Namespace,
     for name in module_results:  # surfaced as the modules computed them
         all_ratios = "ratio" in name  # e.g. datapath's "datapath-ratios" result
         for k, v in results.get(name, {}).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "loadavg_1m" \
+            if isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and k not in EVIDENCE_KEYS \
                     and (all_ratios or any(t in k for t in ("ratio", "_vs_", "_of_"))):
                 ratios[f"{name}_{k}"] = v
     return ratios
@@ -767,6 +779,11 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _pct(share: float | None) -> str:
+    """A share as a percentage with one decimal (``-`` when unknown)."""
+    return "-" if share is None else f"{100 * share:.1f} %"
+
+
 def _columns(rows: list[tuple]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
@@ -778,7 +795,8 @@ def _columns(rows: list[tuple]) -> list[str]:
 def print_table(summary: dict) -> None:
     m, c = summary["machine"], summary["config"]
     out = [f"\nmachine: {m['cores']} cores, {m['ram_gb']} GB, torch {m['torch']}, dgl {m['dgl']}, "
-           f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}; "
+           f"python {m['python']}, load avg {m['loadavg_start']} -> {m.get('loadavg_end')}, "
+           f"cpu steal {_pct(m.get('cpu_steal_share'))}; "
            f"fanouts {c['fanouts']}, batch {c['batch_size']}, hidden {c['hidden']}, "
            f"threads {c['num_threads'] or 'default'}, "
            f"matmul precision {','.join(c.get('matmul_precision') or ['highest'])}"]
@@ -802,15 +820,17 @@ def print_table(summary: dict) -> None:
                        f"{g.get('num_edges'):,} edges, {g.get('num_train'):,} train seeds")
         else:
             out.append(f"\n{family}: no graph")
-        rows = [("measurement", "batches/s", "seeds/s", "MB/s", "train_s", "test_acc")]
+        rows = [("measurement", "batches/s", "seeds/s", "MB/s", "train_s", "test_acc",
+                 "cpu steal")]
         for k, v in summary["results"].get(family, {}).items():
             rows.append((k, _fmt(v.get("batches_per_s")), _fmt(v.get("seeds_per_s")),
                          _fmt(v.get("mb_per_s", v.get("feat_mb_per_s"))),
-                         _fmt(v.get("train_s")), _fmt(v.get("test_acc"))))
+                         _fmt(v.get("train_s")), _fmt(v.get("test_acc")),
+                         _pct(v.get("cpu_steal_share"))))
         for k, e in summary["errors"].items():
             if k.startswith(family + "/"):
                 rows.append((k.split("/", 1)[1], "FAILED", e.splitlines()[0][:60] if e else "",
-                             "", "", ""))
+                             "", "", "", ""))
         out += _columns(rows)
         r = summary["ratios"].get(family, {})
         others = {k: v for k, v in r.items() if v is not None and not k.startswith(
@@ -934,7 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_float32_matmul_precision(args.matmul_precision[0])
     warnings.filterwarnings("ignore", message=".*CPU affinity.*")
     t_start = time.perf_counter()
-    machine = machine_info()
+    machine, times_start = machine_info(), cpu_times()
     families = ["given"] if args.parts else (args.family or list(FAMILIES))
     sample_batches = args.max_batches or 30
     steps = Steps()
@@ -955,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
 
         got = steps._attempt("wire", measure_wire)
         if got is not None:
-            wire = {**got[0], "loadavg_1m": got[1]}
+            wire = {**got[0], **got[1]}
 
     hetero = None
     if "hetero" not in args.skip:
@@ -963,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
 
         got = steps._attempt("hetero", lambda: measure_hetero(args))
         if got is not None:
-            hetero = {**got[0], "loadavg_1m": got[1]}
+            hetero = {**got[0], **got[1]}
 
     multilabel = None
     if "multilabel" not in args.skip:
@@ -971,9 +991,10 @@ def main(argv: list[str] | None = None) -> int:
 
         got = steps._attempt("multilabel", lambda: measure_multilabel(args))
         if got is not None:
-            multilabel = {**got[0], "loadavg_1m": got[1]}
+            multilabel = {**got[0], **got[1]}
 
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    machine["cpu_steal_share"] = steal_share(times_start, cpu_times())
     ratios = {f: compute_ratios(steps.results.get(f, {}), args, steps.module_results.get(f, []))
               for f in families if f in graphs}
     h, q = headline_dropout(args.dropout), args.matmul_precision[0]

@@ -71,6 +71,30 @@ def test_dropout_rows_on_both_sides_and_seed_model_headline(summary):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_every_row_records_the_load_and_the_cpu_time_other_guests_took(summary):
+    """Each measurement keeps the evidence of what else ran: the load average and the share
+    of the machine's CPU time stolen by its hypervisor (a share, not a ratio of the sides)."""
+    assert 0.0 <= summary["machine"]["cpu_steal_share"] <= 1.0
+    for name, row in summary["results"]["products"].items():
+        assert len(row["loadavg_1m"]) == 2, name
+        assert 0.0 <= row["cpu_steal_share"] <= 1.0, name
+    assert not any("steal" in k for k in summary["ratios"]["products"])
+    assert "cpu steal" in summary["_stderr"]
+
+
+def test_steal_share_is_steal_over_all_cpu_time_between_two_readings():
+    from benchmarks.report import cpu_times, steal_share
+
+    now = cpu_times()
+    assert now is not None and len(now) == 8 and all(x >= 0 for x in now)
+    before = [100, 0, 50, 800, 0, 0, 0, 50]
+    after = [400, 0, 100, 1100, 0, 0, 0, 150]  # 750 ticks between them, 100 stolen
+    assert steal_share(before, after) == round(100 / 750, 4)
+    assert steal_share(before, before) is None  # no time between them
+    assert steal_share(None, after) is None and steal_share(before, None) is None
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_rounds_alternate_sides_and_ratio_is_the_median_of_paired_ratios(summary):
     assert summary["config"]["rounds"] == 2
     res, ratios = summary["results"]["products"], summary["ratios"]["products"]
