@@ -73,30 +73,24 @@ def cached_parts(parts: Path, commands: list[list[str]], log: Callable[[str], No
     return parts
 
 
-def cpu_times() -> list[int] | None:
-    """This machine's CPU time counters since boot, in clock ticks: ``/proc/stat``'s first
-    eight ``cpu`` fields (user, nice, system, idle, iowait, irq, softirq, steal; guest time
-    is counted within user). None where there is no ``/proc/stat``."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    return [int(x) for x in fields[1:9]]
+def cpu_times():
+    """This machine's CPU times since boot (``psutil.cpu_times()``: per state, in seconds; on
+    Linux ``steal`` among them)."""
+    return psutil.cpu_times()
 
 
-def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+def steal_share(before, after) -> float | None:
     """The share of this machine's CPU time between two :func:`cpu_times` readings that its
-    hypervisor ran other guests on (steal time; idle time counts in the whole): a VM's
-    neighbours slow every figure measured meanwhile, and this says by how much they took the
-    cores. None without both readings or with no time between them."""
-    if before is None or after is None:
+    hypervisor ran other guests on (steal time; idle time counts in the whole; guest time,
+    already within user, is not counted twice): a VM's neighbours slow every figure measured
+    meanwhile, and this says by how much they took the cores. None without both readings,
+    where the platform reports no steal, or with no time between them."""
+    if before is None or after is None or "steal" not in before._fields:
         return None
-    spent = [b - a for a, b in zip(before, after)]
-    total = sum(spent)
-    return round(spent[7] / total, 4) if total > 0 else None
+    spent = {f: getattr(after, f) - getattr(before, f)
+             for f in before._fields if f not in ("guest", "guest_nice")}
+    total = sum(spent.values())
+    return round(spent["steal"] / total, 4) if total > 0 else None
 
 
 def machine_info() -> dict:

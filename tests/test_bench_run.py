@@ -86,9 +86,11 @@ def test_steal_share_is_steal_over_all_cpu_time_between_two_readings():
     from benchmarks.report import cpu_times, steal_share
 
     now = cpu_times()
-    assert now is not None and len(now) == 8 and all(x >= 0 for x in now)
-    before = [100, 0, 50, 800, 0, 0, 0, 50]
-    after = [400, 0, 100, 1100, 0, 0, 0, 150]  # 750 ticks between them, 100 stolen
+    assert now is not None and "steal" in now._fields and all(x >= 0 for x in now)
+    zero = now._replace(**{f: 0.0 for f in now._fields})
+    before = zero._replace(user=1.0, system=0.5, idle=8.0, steal=0.5)
+    # 7.5 s between them, 1 s stolen; guest time is within user, not counted again
+    after = zero._replace(user=4.0, system=1.0, idle=11.0, steal=1.5, guest=2.0)
     assert steal_share(before, after) == round(100 / 750, 4)
     assert steal_share(before, before) is None  # no time between them
     assert steal_share(None, after) is None and steal_share(before, None) is None
