@@ -24,8 +24,8 @@ typed window timed across the processes showed the second request reaching a sam
 Measured on the 2-core RMAT benchmark graph, worker mode alternated with and without it, on an
 AMD EPYC VM: ahead in 13 of 15 pairs, a median of +5.7 % seeds/s; products +1.5 % (2 of 3;
 docs/benchmarks.md, "Issue 14, session 44"). On an Intel Xeon VM it read even (a median of
-1.00 over 7 RMAT pairs; session 48). Where anything fails (no ``/proc`` schedstat, a refused policy, fewer
-cores than threads), it turns itself off and says why in the trainer's summary
+1.00 over 7 RMAT pairs; session 48). Where anything fails (no ``/proc`` schedstat, a refused
+policy, fewer cores than threads), it turns itself off and says why in the trainer's summary
 (``core_turns``); the run goes on as without it.
 """
 
