@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from common import native
 from common.sampled_mfg import FEAT_FRAMES, SampledMFG
 
 NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
@@ -88,6 +89,10 @@ class Block:
         t = self._mean_t
         if t is None or t[0].device != self.indices.device or t[2].dtype != dtype:
             _, _, w = self.mean_bags(dtype)
+            t = self._transpose_native(w)
+            if t is not None:
+                self._mean_t = t
+                return t
             order = torch.argsort(self.indices, stable=True)
             counts = count_index(self.indices, self._num_src)
             offsets = torch.zeros(self._num_src + 1, dtype=self.indptr.dtype,
@@ -96,6 +101,32 @@ class Block:
             t = (self.dst_index()[order], offsets, w[order])
             self._mean_t = t
         return t
+
+    def _transpose_native(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """:meth:`mean_bags_t` by common/native.c's ``mfg_transpose_csc`` (one counting pass
+        and one scatter; the same bags, edges and weights as the stable argsort, in the same
+        order) for a CPU block with int64 CSC and float32 weights where the library is
+        loaded; None elsewhere."""
+        ip, ix = self.indptr, self.indices
+        if (ix.device.type != "cpu" or w.dtype != torch.float32 or ip.dtype != torch.int64
+                or ix.dtype != torch.int64 or not (ip.is_contiguous() and ix.is_contiguous()
+                                                   and w.is_contiguous())):
+            return None
+        lib = native.load()
+        if lib is None:
+            return None
+        offsets = torch.empty(self._num_src + 1, dtype=torch.int64)
+        dst = torch.empty(ix.numel(), dtype=torch.int64)
+        w_t = torch.empty(ix.numel(), dtype=torch.float32)
+        got = lib.mfg_transpose_csc(ip.data_ptr(), self._num_dst, ix.data_ptr(), ix.numel(),
+                                    self._num_src, w.data_ptr(), offsets.data_ptr(),
+                                    dst.data_ptr(), w_t.data_ptr())
+        if got == native.NO_MEMORY:
+            raise MemoryError(f"mean_bags_t: no memory for {self._num_src} cursors")
+        if got < 0:
+            raise ValueError(f"mean_bags_t: the block's CSC is not {self._num_dst} rows of "
+                             f"sources in [0, {self._num_src}) ending at {ix.numel()} edges")
+        return dst, offsets, w_t
 
     def edges(self) -> tuple[Tensor, Tensor]:
         """(source positions, destination positions) of every edge."""
