@@ -667,9 +667,9 @@ int64_t mfg_assemble_rows(const char *cache, int64_t row_bytes, int64_t cache_ro
  * Block.mean_bags_t, the mean's backward bags): out_offsets[j]..out_offsets[j + 1] are
  * source j's out-edges, in CSC order (the order a stable sort by source gives), with
  * out_dst[p] the edge's destination and out_w[p] its weight w[e]. One counting pass, one
- * prefix sum and one scatter, against torch's stable argsort plus three gathers: RMAT's middle
- * block (about 25,000 edges) took 1.2 ms on 2 threads that way (docs/benchmarks.md, "Issue
- * 14, session 49").
+ * prefix sum and one scatter, against torch's stable argsort plus three gathers: in
+ * benchmarks.step's RMAT step a step's two calls (the middle and last blocks) took 0.47-0.49
+ * ms that way on 2 threads, 0.15-0.17 ms here (docs/benchmarks.md, "Issue 14, session 49").
  * indptr: num_dst + 1 rising entries from 0 to num_edges (the caller checked the block);
  * indices: num_edges source positions in [0, num_src); out_offsets: num_src + 1.
  * Returns num_edges; or MFG_BAD_ID, before anything past out_offsets is written, if a
