@@ -124,8 +124,9 @@ class Block:
         if got == native.NO_MEMORY:
             raise MemoryError(f"mean_bags_t: no memory for {self._num_src} cursors")
         if got < 0:
-            raise ValueError(f"mean_bags_t: the block's CSC is not {self._num_dst} rows of "
-                             f"sources in [0, {self._num_src}) ending at {ix.numel()} edges")
+            raise ValueError(f"mean_bags_t: the block's CSC is not {self._num_dst} rows "
+                             f"rising from 0 to {ix.numel()} edges of sources in "
+                             f"[0, {self._num_src})")
         return dst, offsets, w_t
 
     def edges(self) -> tuple[Tensor, Tensor]:

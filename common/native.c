@@ -670,11 +670,11 @@ int64_t mfg_assemble_rows(const char *cache, int64_t row_bytes, int64_t cache_ro
  * prefix sum and one scatter, against torch's stable argsort plus three gathers: in
  * benchmarks.step's RMAT step a step's two calls (the middle and last blocks) took 0.47-0.49
  * ms that way on 2 threads, 0.15-0.17 ms here (docs/benchmarks.md, "Issue 14, session 49").
- * indptr: num_dst + 1 rising entries from 0 to num_edges (the caller checked the block);
- * indices: num_edges source positions in [0, num_src); out_offsets: num_src + 1.
- * Returns num_edges; or MFG_BAD_ID, before anything past out_offsets is written, if a
- * source is outside [0, num_src) or indptr does not end at num_edges; MFG_NO_MEMORY if the
- * cursors cannot be allocated. */
+ * indptr: num_dst + 1 entries rising from 0 to num_edges; indices: num_edges source
+ * positions in [0, num_src); out_offsets: num_src + 1.
+ * Returns num_edges; or MFG_BAD_ID, before anything past out_offsets is written, if indptr
+ * does not rise from 0 to num_edges or a source is outside [0, num_src); MFG_NO_MEMORY if
+ * the cursors cannot be allocated. */
 int64_t mfg_transpose_csc(const int64_t *indptr, int64_t num_dst, const int64_t *indices,
                           int64_t num_edges, int64_t num_src, const float *w,
                           int64_t *out_offsets, int64_t *out_dst, float *out_w)
@@ -682,6 +682,9 @@ int64_t mfg_transpose_csc(const int64_t *indptr, int64_t num_dst, const int64_t 
     if (num_dst < 0 || num_src < 0 || num_edges < 0 || indptr[0] != 0
         || indptr[num_dst] != num_edges)
         return MFG_BAD_ID;
+    for (int64_t d = 0; d < num_dst; d++)
+        if (indptr[d + 1] < indptr[d])
+            return MFG_BAD_ID;
     memset(out_offsets, 0, (size_t)(num_src + 1) * sizeof(int64_t));
     for (int64_t e = 0; e < num_edges; e++) {
         if ((uint64_t)indices[e] >= (uint64_t)num_src)

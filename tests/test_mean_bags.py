@@ -1,8 +1,8 @@
 """Block.mean_bags_t, the mean's backward bags: the native transpose (common/native.c's
 mfg_transpose_csc) gives exactly the stable-argsort path's bags, edges and weights, in the
-same order; a CSC naming a source outside the block is refused with the block's shape named;
-where the native path does not apply (other weight dtypes, the library switched off) the
-torch path runs."""
+same order; a CSC naming a source outside the block, or whose rows do not rise from 0 to its
+edge count, is refused with the block's shape named; where the native path does not apply
+(other weight dtypes, the library switched off) the torch path runs."""
 
 from __future__ import annotations
 
@@ -72,8 +72,12 @@ def test_a_source_outside_the_block_is_refused():
     with pytest.raises(ValueError, match=r"sources in \[0, 4\)"):
         b.mean_bags_t()
     short = Block(torch.tensor([0, 2, 4]), torch.tensor([0, 1, 1]), 4, 2)  # indptr past the end
-    with pytest.raises(ValueError, match="ending at 3 edges"):
+    with pytest.raises(ValueError, match="rising from 0 to 3 edges"):
         short._transpose_native(torch.ones(3))
+    # ends at the edge count but falls on the way: row 0 would read past the indices
+    falling = Block(torch.tensor([0, 5, 3]), torch.tensor([0, 1, 1]), 4, 2)
+    with pytest.raises(ValueError, match="rising from 0 to 3 edges"):
+        falling._transpose_native(torch.ones(3))
 
 
 def test_other_dtypes_take_the_torch_path():
