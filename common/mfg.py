@@ -90,15 +90,13 @@ class Block:
         if t is None or t[0].device != self.indices.device or t[2].dtype != dtype:
             _, _, w = self.mean_bags(dtype)
             t = self._transpose_native(w)
-            if t is not None:
-                self._mean_t = t
-                return t
-            order = torch.argsort(self.indices, stable=True)
-            counts = count_index(self.indices, self._num_src)
-            offsets = torch.zeros(self._num_src + 1, dtype=self.indptr.dtype,
-                                  device=self.indptr.device)
-            torch.cumsum(counts, 0, out=offsets[1:])
-            t = (self.dst_index()[order], offsets, w[order])
+            if t is None:
+                order = torch.argsort(self.indices, stable=True)
+                counts = count_index(self.indices, self._num_src)
+                offsets = torch.zeros(self._num_src + 1, dtype=self.indptr.dtype,
+                                      device=self.indptr.device)
+                torch.cumsum(counts, 0, out=offsets[1:])
+                t = (self.dst_index()[order], offsets, w[order])
             self._mean_t = t
         return t
 

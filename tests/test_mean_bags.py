@@ -16,19 +16,11 @@ import torch
 
 from common import native
 from common.mfg import Block
+from tests.test_model import random_block
 
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _block(num_src: int, num_dst: int, max_deg: int, seed: int) -> Block:
-    g = torch.Generator().manual_seed(seed)
-    deg = torch.randint(0, max_deg + 1, (num_dst,), generator=g)
-    indptr = torch.zeros(num_dst + 1, dtype=torch.int64)
-    torch.cumsum(deg, 0, out=indptr[1:])
-    indices = torch.randint(0, max(num_src, 1), (int(deg.sum()),), generator=g)
-    return Block(indptr, indices, num_src, num_dst)
 
 
 def _torch_path(b: Block, dtype=torch.float32):
@@ -46,7 +38,7 @@ def _torch_path(b: Block, dtype=torch.float32):
     (0, 0, 0, 4),        # an empty block
 ])
 def test_native_transpose_equals_the_stable_argsort(num_src, num_dst, max_deg, seed):
-    b = _block(num_src, num_dst, max_deg, seed)
+    b = random_block(num_src, num_dst, max_deg, seed)
     want = _torch_path(b)
     got = b.mean_bags_t()
     assert b._transpose_native(b.mean_bags()[2]) is not None  # the native path ran
@@ -81,7 +73,7 @@ def test_a_source_outside_the_block_is_refused():
 
 
 def test_other_dtypes_take_the_torch_path():
-    b = _block(40, 10, 5, 7)
+    b = random_block(40, 10, 5, 7)
     got = b.mean_bags_t(torch.float64)
     assert b._transpose_native(b.mean_bags(torch.float64)[2]) is None
     for g, w in zip(got, _torch_path(b, torch.float64)):

@@ -19,7 +19,7 @@ def random_block(num_src: int, num_dst: int, max_deg: int, seed: int) -> Block:
     deg = torch.randint(0, max_deg + 1, (num_dst,), generator=g)
     indptr = torch.zeros(num_dst + 1, dtype=torch.int64)
     torch.cumsum(deg, 0, out=indptr[1:])
-    indices = torch.randint(0, num_src, (int(deg.sum()),), generator=g)
+    indices = torch.randint(0, max(num_src, 1), (int(deg.sum()),), generator=g)  # 0: no edges
     return Block(indptr, indices, num_src, num_dst)
 
 
