@@ -80,7 +80,7 @@ from benchmarks.report import (
     ratio,
     steal_share,
 )
-from common.config import MATMUL_PRECISIONS, PREFETCH_MODES
+from common.config import CPU_GEMMS, MATMUL_PRECISIONS, PREFETCH_MODES
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp-procs", type=_positive_int, default=2,
                    help="ddp step: DGL DDP processes and worker-mode trainers, each with "
                         "--batch-size / this many seeds per batch (default 2)")
+    p.add_argument("--cpu-gemm", choices=list(CPU_GEMMS), default="auto",
+                   help="mfgserve's --cpu-gemm: the library of its model's float32 products "
+                        "on the CPU (worker mode, and mfgserve's side of the step module): "
+                        "auto (default: oneDNN on an AMD CPU with AVX-512, else MKL), mkl "
+                        "(torch's own, as DGL's side multiplies) or onednn. DGL's side always "
+                        "multiplies as its pipeline does (torch's nn.Linear: MKL)")
     p.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch (and DGL) threads of each training process on both sides: the "
                         "DGL process / each DDP process, each worker-mode trainer, and the "
@@ -363,7 +369,7 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
             "--shm-ring" if args.shm_ring else "--no-shm-ring",
             "--malloc-retain-mb", str(args.malloc_retain_mb),
             "--server-malloc-retain-mb", str(args.malloc_retain_mb),
-            "--matmul-precision", precision]
+            "--matmul-precision", precision, "--cpu-gemm", args.cpu_gemm]
     if args.num_threads:
         argv += ["--num-threads", str(args.num_threads)]
     if args.cache_ratio:

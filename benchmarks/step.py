@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import add_malloc_arg, apply_malloc, logger
-from common.config import MATMUL_PRECISIONS
+from common.config import CPU_GEMMS, MATMUL_PRECISIONS
 from trainer_client.metrics import TASK_METRICS, Task, loss_fn
 
 log = logger("step")
@@ -116,10 +116,12 @@ def _profile(fn, rows: int) -> list[dict]:
 def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
                  dropout: float, batches: int = 8, repeats: int = 3, seed: int = 0,
                  num_threads: int | None = None, profile_rows: int = 0,
-                 dgl_autocast: bool = False) -> dict:
+                 dgl_autocast: bool = False, cpu_gemm: str = "auto") -> dict:
     from benchmarks.dgl_pipeline import DGLGraphSAGE, load_full_graph
-    from trainer_client.model import GraphSAGE
+    from trainer_client.model import GraphSAGE, float32_library, set_cpu_gemm
     from trainer_client.models import build_optimizer
+
+    set_cpu_gemm(cpu_gemm)
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -161,6 +163,8 @@ def measure_step(parts: Path, fanouts: list[int], batch_size: int, hidden: int,
         "timed_steps": len(times["dgl"]), "num_threads":
         torch.get_num_threads(), "dropout": dropout, "dgl_autocast": dgl_autocast,
         "sample_s": round(sample_s, 2),
+        # --cpu-gemm for mfgserve's side, and the library its float32 products went to
+        "cpu_gemm": cpu_gemm, "cpu_gemm_library": float32_library(torch.device("cpu")),
         "input_nodes_per_batch": round(sum(b[0].num_src_nodes() for b, _, _ in data)
                                        / len(data), 1),
         "edges_per_batch": round(sum(sum(bl.num_edges() for bl in b) for b, _, _ in data)
@@ -186,7 +190,8 @@ def run_step(parts: Path, args) -> dict[str, dict]:
     """benchmarks.run's "step" measurement: {"step_d{dropout}": figures}."""
     res = measure_step(parts, args.fanouts, args.batch_size, args.hidden, args.dropout,
                        batches=getattr(args, "step_batches", 8), seed=args.seed,
-                       num_threads=getattr(args, "num_threads", None), profile_rows=12)
+                       num_threads=getattr(args, "num_threads", None), profile_rows=12,
+                       cpu_gemm=getattr(args, "cpu_gemm", "auto"))
     return {f"step_d{args.dropout:g}": res}
 
 
@@ -224,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "context per step: DGL's own route to bfloat16 products, which its "
                         "whole model (activations, GSpMM) then runs in; compare with "
                         "--matmul-precision medium")
+    p.add_argument("--cpu-gemm", choices=list(CPU_GEMMS), default="auto",
+                   help="the trainer's --cpu-gemm for mfgserve's side: the library of its "
+                        "float32 products (auto: oneDNN on an AMD CPU with AVX-512, else "
+                        "MKL; docs/tuning.md). DGL's side multiplies through torch's "
+                        "nn.Linear (MKL) as its pipeline does")
     add_malloc_arg(p)
     return p
 
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = measure_step(Path(args.parts), fanouts, args.batch_size, args.hidden, args.dropout,
                        args.batches, args.repeats, args.seed, args.num_threads, args.profile,
-                       dgl_autocast=args.dgl_autocast)
+                       dgl_autocast=args.dgl_autocast, cpu_gemm=args.cpu_gemm)
     log(f"step ms (median): mfgserve {res['mfgserve_ms']:.1f}, dgl {res['dgl_ms']:.1f}, "
         f"ratio {res['ratio']:.3f}; cpu ms {res['mfgserve_cpu_ms']:.1f} / "
         f"{res['dgl_cpu_ms']:.1f}, ratio {res['cpu_ratio']:.3f} (threads {res['num_threads']})")

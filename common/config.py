@@ -179,6 +179,23 @@ MATMUL_PRECISION_HELP = (
     "two seeds would")
 
 
+CPU_GEMMS = ("auto", "mkl", "onednn")
+CPU_GEMM_HELP = (
+    "which library multiplies the model's float32 products on a CPU (SAGEConv's and the "
+    "typed layers'; the products stay float32 either way, only the order of their sums "
+    "differs): mkl is torch's own (MKL, as DGL's pipeline multiplies); onednn is oneDNN's "
+    "matmul, which runs AVX-512 kernels on AMD CPUs, where MKL runs AVX2 ones (the seed "
+    "model's step about a fifth shorter on an AMD EPYC, docs/tuning.md); auto takes onednn on an "
+    "AMD CPU with AVX-512 and mkl elsewhere (decided from the CPU, not by timing, so runs "
+    "repeat to the bit). No effect on a GPU or where --matmul-precision medium multiplies "
+    "in bfloat16")
+
+
+def _check_cpu_gemm(value: str) -> None:
+    if value not in CPU_GEMMS:
+        raise ConfigError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}, got {value!r}")
+
+
 def _check_matmul_precision(value: str) -> None:
     if value not in MATMUL_PRECISIONS:
         raise ConfigError(f"--matmul-precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
@@ -252,6 +269,7 @@ class TrainerConfig:
         "each start a team as wide as the machine). worker-mode sets cores / trainers on the "
         "CPU so co-located processes do not oversubscribe it, and 1 on a GPU")
     matmul_precision: str = opt("highest", MATMUL_PRECISION_HELP, choices=MATMUL_PRECISIONS)
+    cpu_gemm: str = opt("auto", CPU_GEMM_HELP, choices=CPU_GEMMS)
     malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
@@ -355,6 +373,7 @@ class TrainerConfig:
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
         _check_matmul_precision(self.matmul_precision)
+        _check_cpu_gemm(self.cpu_gemm)
         check_retain_mb(self.malloc_retain_mb)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
@@ -609,6 +628,7 @@ class InferConfig:
                       choices=("auto", "cpu", "cuda"))
     num_threads: int = opt(0, "torch CPU threads; 0 keeps torch's default")
     matmul_precision: str = opt("highest", MATMUL_PRECISION_HELP, choices=MATMUL_PRECISIONS)
+    cpu_gemm: str = opt("auto", CPU_GEMM_HELP, choices=CPU_GEMMS)
     max_message_mb: int = opt(
         512, "largest message accepted, in MiB; node tensor reads and writes are cut into "
         "chunks below it")
@@ -638,6 +658,7 @@ class InferConfig:
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
         _check_matmul_precision(self.matmul_precision)
+        _check_cpu_gemm(self.cpu_gemm)
         if self.request_timeout_s <= 0:
             raise ConfigError("--request-timeout-s must be > 0")
         _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)

@@ -165,6 +165,9 @@ def run(cfg: InferConfig) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
+    from trainer_client.model import set_cpu_gemm
+
+    set_cpu_gemm(cfg.cpu_gemm)
     device = pick_device(cfg, 0)
     pool = make_pool(cfg)
     try:
@@ -172,7 +175,7 @@ def run(cfg: InferConfig) -> dict:
     finally:
         pool.close()
     full, layer_s = index["full_graph"], index["layer_s"]
-    from trainer_client.model import PRODUCTS_RUN, bf16_products
+    from trainer_client.model import PRODUCTS_RUN, bf16_products, cpu_gemm_summary
 
     return {
         "out": str(out), "index": str(out / "index.json"),
@@ -187,6 +190,7 @@ def run(cfg: InferConfig) -> dict:
         # products took each route in this process
         "bf16_products": bf16_products(device),
         "bf16_products_run": dict(PRODUCTS_RUN),
+        "cpu_gemm": cpu_gemm_summary(device),
     }
 
 

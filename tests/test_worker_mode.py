@@ -114,6 +114,27 @@ def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path, model, bar):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_cpu_gemm_libraries_train_to_the_same_bar(cora_dir, tmp_path, library):
+    """``--cpu-gemm mkl`` / ``onednn`` (oneDNN's float32 kernels for the model's products,
+    auto's choice on an AMD CPU with AVX-512) on any CPU: each trainer applies it, its
+    summary says which library multiplied and how many products went to oneDNN, and Cora
+    reaches the seed DGL pipeline's bar either way."""
+    parts = tmp_path / "cora-parts"
+    run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 1, "--out", parts],
+            timeout=300)
+    proc = _worker(["--parts", str(parts), *SETTINGS, "--cpu-gemm", library], tmp_path,
+                   timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = _summary(proc.stdout)
+    gemm = summary["cpu_gemm"]
+    assert gemm["mode"] == library and gemm["library"] == library, gemm
+    assert (gemm["onednn_products_run"] > 0) is (library == "onednn"), gemm
+    assert summary["test_acc"] >= 0.78, summary
+    _assert_clean(tmp_path, str(parts))
+
+
+@pytest.mark.timeout(600)
 def test_citeseer_partitioned_on_the_fly(citeseer_dir, tmp_path):
     work = tmp_path / "work"
     proc = _worker(["--dataset-dir", str(citeseer_dir), "--num-parts", "2", "--work-dir",

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common.config import CPU_GEMMS
 from common.mfg import Block
 
 
@@ -115,6 +116,12 @@ def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
 
 
 _BF16_GEMM: bool | None = None  # whether medium precision multiplies in bfloat16 here (probed)
+#: ``--cpu-gemm`` (common.config.CPU_GEMMS): which library multiplies the model's float32
+#: products on the CPU (:func:`float32_library`)
+_CPU_GEMM = "auto"
+_ONEDNN_AUTO: bool | None = None  # what "auto" chose on this CPU (cpu_gemm_auto)
+#: how many of this process's float32 model products went to oneDNN (_LinearSumDnn)
+ONEDNN_PRODUCTS_RUN = [0]
 _BF16_CAST: bool | None = None  # whether bfloat16 tensors multiply natively here (CPU flags)
 
 
@@ -193,15 +200,76 @@ def bf16_casts_possible() -> bool:
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU has bfloat16 multiply instructions (AVX512-BF16 or AMX), as Linux's
     /proc/cpuinfo lists them; False where that file is not there."""
+    return bool(_cpu_info()[1] & {"amx_bf16", "avx512_bf16"})
+
+
+@functools.cache
+def _cpu_info() -> tuple[str, frozenset[str]]:
+    """(vendor_id, flags) of the first CPU in Linux's /proc/cpuinfo; ("", {}) without it."""
+    vendor, flags = "", frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return False
+    return vendor, flags
+
+
+def set_cpu_gemm(mode: str) -> None:
+    """``--cpu-gemm`` for this process: which library multiplies the model's float32
+    products on the CPU (:func:`float32_library`). ``onednn`` needs a torch built with it."""
+    global _CPU_GEMM
+    if mode not in CPU_GEMMS:
+        raise ValueError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}, got {mode!r}")
+    if mode == "onednn" and not torch.backends.mkldnn.is_available():
+        raise ValueError("--cpu-gemm onednn: this torch build has no oneDNN "
+                         "(torch.backends.mkldnn.is_available() is False); use auto or mkl")
+    _CPU_GEMM = mode
+
+
+def cpu_gemm_auto() -> bool:
+    """Whether ``--cpu-gemm auto`` sends the float32 products to oneDNN on this CPU: an AMD
+    CPU with AVX-512 (``/proc/cpuinfo``'s vendor and flags) and a torch with oneDNN.
+
+    torch multiplies float32 through MKL, which picks its kernels by vendor: on an AMD CPU
+    its AVX2 ones, while oneDNN picks by instruction set and runs AVX-512 kernels. On
+    session 50's AMD EPYC (Zen 5, 2 cores) the seed model's product shapes ran at 1.3-2.2x
+    MKL's rate through oneDNN (forward products and input gradients; the weight gradients,
+    whose operands come transposed, stay on MKL, which is as fast there). On Intel CPUs MKL
+    already runs AVX-512. Decided from the CPU rather than by timing, so that every run on
+    one machine multiplies the same way and repeats its losses to the bit."""
+    global _ONEDNN_AUTO
+    if _ONEDNN_AUTO is None:
+        vendor, flags = _cpu_info()
+        _ONEDNN_AUTO = (vendor == "AuthenticAMD" and "avx512f" in flags
+                        and torch.backends.mkldnn.is_available())
+    return _ONEDNN_AUTO
+
+
+def float32_library(device: torch.device) -> str | None:
+    """Which library multiplies SAGEConv's and the typed layers' float32 products
+    (:func:`linear_sum`) on ``device``: ``"onednn"`` (:class:`_LinearSumDnn`) or ``"mkl"``
+    (torch's ``mm``, as DGL's pipeline multiplies); None off the CPU or where the products
+    run in bfloat16 (:func:`bf16_products`). ``--cpu-gemm auto`` takes oneDNN where
+    :func:`cpu_gemm_auto` says so."""
+    if device.type != "cpu" or bf16_products(device) is not None:
+        return None
+    if _CPU_GEMM == "auto":
+        return "onednn" if cpu_gemm_auto() else "mkl"
+    return _CPU_GEMM
+
+
+def cpu_gemm_summary(device: torch.device) -> dict:
+    """``--cpu-gemm`` as it took effect on ``device``, for a run's summary: the mode, the
+    library the float32 products went to (:func:`float32_library`), and how many of this
+    process's products oneDNN computed."""
+    return {"mode": _CPU_GEMM, "library": float32_library(device),
+            "onednn_products_run": ONEDNN_PRODUCTS_RUN[0]}
 
 
 def _medium_rounds_to_bf16() -> bool:
@@ -317,6 +385,44 @@ class _LinearSum(torch.autograd.Function):
             x, w = xw[i], xw[i + 1]
             got.append(grad.mm(w) if need[1 + i] else None)
             got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
+        return tuple(got)
+
+
+def _dnn_mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ w.T (+ bias)`` by oneDNN (``torch.ops.mkldnn._linear_pointwise``, its matmul
+    kernels for the CPU's widest vectors); ``x``, ``w``: float32 matrices."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+class _LinearSumDnn(torch.autograd.Function):
+    """:class:`_LinearSum` with oneDNN's float32 kernels (``--cpu-gemm``,
+    :func:`float32_library`): the forward's products (each term after the first added by
+    oneDNN's fused ``add``, no further pass over the output) and the inputs' gradients
+    ``grad W`` run through oneDNN; the weights' gradients ``(x^T grad)^T`` stay on torch's
+    ``mm`` (MKL), which was as fast for that transposed operand on session 50's AMD EPYC
+    while oneDNN read it at half the rate. Float32 products either way: the same function
+    and gradients up to the order of float32 sums."""
+
+    @staticmethod
+    def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
+        ctx.save_for_backward(*xw)
+        ctx.has_bias = bias is not None
+        out = _dnn_mm(xw[0].contiguous(), xw[1].contiguous(), bias)
+        for i in range(2, len(xw), 2):
+            out = torch.ops.mkldnn._linear_pointwise.binary(
+                xw[i].contiguous(), out, xw[i + 1].contiguous(), None, "add")
+        ONEDNN_PRODUCTS_RUN[0] += len(xw) // 2
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        xw, need = ctx.saved_tensors, ctx.needs_input_grad
+        grad = grad.contiguous()
+        got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
+        for i in range(0, len(xw), 2):
+            x, w = xw[i], xw[i + 1]
+            got.append(_dnn_mm(grad, w.t().contiguous()) if need[1 + i] else None)
+            got.append(_dnn_mm(x.t(), grad.t()).t().contiguous() if need[2 + i] else None)
         return tuple(got)
 
 
@@ -468,6 +574,9 @@ def linear_sum(bias: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> Tenso
     if route is None:
         if narrow_terms(terms):
             return _LinearSumNarrow.apply(bias, *flat)
+        if (x0.dtype == torch.float32 and x0.shape[0] > 0
+                and float32_library(x0.device) == "onednn"):
+            return _LinearSumDnn.apply(bias, *flat)
         return _LinearSum.apply(bias, *flat)
     _count(route)
     rows = x0.shape[0]

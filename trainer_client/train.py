@@ -78,7 +78,8 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.model import PRODUCTS_RUN, bf16_products, gemm_buckets
+from trainer_client.model import (PRODUCTS_RUN, bf16_products, cpu_gemm_summary, gemm_buckets,
+                                  set_cpu_gemm)
 from trainer_client.models import (
     build_model,
     build_optimizer,
@@ -234,6 +235,7 @@ def _init_ddp(cfg: TrainerConfig, ddp: DDPSetup) -> torch.device:
     if cfg.num_threads or device.type == "cuda":
         torch.set_num_threads(cfg.num_threads or GPU_TRAINER_THREADS)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
+    set_cpu_gemm(cfg.cpu_gemm)
     if ddp.world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -924,6 +926,8 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         # how many of this rank's model products (training and evaluation) took each of
         # those routes in this run: what the model did, not only what the device offers
         "bf16_products_run": dict(PRODUCTS_RUN),
+        # --cpu-gemm: which library multiplied the float32 products (model.py)
+        "cpu_gemm": cpu_gemm_summary(device),
         "shm_ring": _ring_summary(run, ring),
         "prefetch": {"mode": cfg.prefetch, "alternated": run.train_loader.alternating(),
                      "bursts": run.train_loader.stats.bursts},

@@ -1,0 +1,137 @@
+"""``--cpu-gemm``: the model's float32 products through oneDNN (model._LinearSumDnn) give
+the same outputs and gradients as through torch's mm (MKL), the seed model under it still
+equals DGL's, ``auto`` decides from the CPU alone, and a bad value is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import ConfigError, TrainerConfig
+from common.dgl_compat import import_dgl
+from tests.test_model import random_block
+from trainer_client import model as model_mod
+from trainer_client.model import GraphSAGE
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cpu_gemm(monkeypatch):
+    """Set this process's --cpu-gemm for one test (restored after it)."""
+    monkeypatch.setattr(model_mod, "_CPU_GEMM", "auto")
+    return model_mod.set_cpu_gemm
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("need_x", [True, False])
+def test_onednn_products_equal_mkl_products(cpu_gemm, bias, need_x):
+    """linear_sum under ``onednn`` takes _LinearSumDnn (counted), and its output and the
+    gradients of every input, weight and the bias equal _LinearSum's (torch's mm) for 1 to 3
+    terms, 1 to 100 rows, and an input that is a column slice (not contiguous); under
+    ``mkl`` nothing goes to oneDNN."""
+    cpu_gemm("onednn")
+    g = torch.Generator().manual_seed(3)
+    for rows, widths, out in [(33, [16], 24), (100, [20, 12], 16), (1, [8, 8], 8),
+                              (57, [10, 30, 9], 20)]:
+        xs = [torch.randn(rows, k + 3, generator=g)[:, 3:] if i == 0 else
+              torch.randn(rows, k, generator=g) for i, k in enumerate(widths)]
+        assert rows == 1 or not xs[0].is_contiguous()
+        ws = [torch.randn(out, k, generator=g) for k in widths]
+        b = torch.randn(out, generator=g)
+        grad = torch.randn(rows, out, generator=g)
+        results = []
+        for fn in (lambda bb, terms: model_mod._LinearSum.apply(
+                       bb, *[t for term in terms for t in term]),
+                   model_mod.linear_sum):
+            leaves = ([x.detach().clone().requires_grad_(need_x) for x in xs]
+                      + [w.detach().clone().requires_grad_() for w in ws])
+            bb = b.detach().clone().requires_grad_() if bias else None
+            before = model_mod.ONEDNN_PRODUCTS_RUN[0]
+            got = fn(bb, list(zip(leaves[:len(xs)], leaves[len(xs):])))
+            ran = model_mod.ONEDNN_PRODUCTS_RUN[0] - before
+            got.backward(grad)
+            results.append([got.detach(), *[t.grad for t in leaves if t.requires_grad],
+                            *([bb.grad] if bias else [])])
+        assert ran == len(widths), (rows, widths)  # the second fn: linear_sum, on oneDNN
+        assert len(results[0]) == len(results[1])
+        for want, got in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    cpu_gemm("mkl")
+    before = model_mod.ONEDNN_PRODUCTS_RUN[0]
+    model_mod.linear_sum(None, [(torch.randn(5, 16), torch.randn(8, 16))])
+    assert model_mod.ONEDNN_PRODUCTS_RUN[0] == before
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_seed_model_under_onednn_equals_the_dgl_seed_model(cpu_gemm, dropout):
+    """The 3-layer seed model with its products on oneDNN against the benchmark's DGL seed
+    model (torch's nn.Linear) with the same weights: the same logits and parameter
+    gradients (dropout off by eval mode for that check; in training mode the step runs)."""
+    from benchmarks.dgl_pipeline import DGLGraphSAGE
+
+    import_dgl()
+    cpu_gemm("onednn")
+    sizes = [300, 120, 40, 10]
+    blocks = [random_block(s, d, 8, seed=70 + i)
+              for i, (s, d) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    ours = GraphSAGE(24, 32, 5, 3, dropout)
+    ref = DGLGraphSAGE(24, 32, 5, 3, dropout)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(300, 24)
+    ours.eval()
+    ref.eval()
+    before = model_mod.ONEDNN_PRODUCTS_RUN[0]
+    got = ours(blocks, x)
+    assert model_mod.ONEDNN_PRODUCTS_RUN[0] > before
+    want = ref([b.to_dgl() for b in blocks], x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-5,
+                                   msg=name)
+    ours.train()
+    ours(blocks, x).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+@pytest.mark.parametrize("vendor,flags,want", [
+    ("AuthenticAMD", {"avx2", "avx512f"}, True),   # MKL would run AVX2 kernels there
+    ("AuthenticAMD", {"avx2"}, False),             # no AVX-512 for oneDNN to use
+    ("GenuineIntel", {"avx2", "avx512f"}, False),  # MKL runs AVX-512 itself
+    ("", set(), False),                            # no /proc/cpuinfo
+])
+def test_auto_decides_from_the_cpu_alone(cpu_gemm, monkeypatch, vendor, flags, want):
+    """``auto`` takes oneDNN exactly on an AMD CPU with AVX-512 (from /proc/cpuinfo, no
+    timing: every run on a machine multiplies the same way), and says so in the summary."""
+    monkeypatch.setattr(model_mod, "_cpu_info", lambda: (vendor, frozenset(flags)))
+    monkeypatch.setattr(model_mod, "_ONEDNN_AUTO", None)
+    cpu = torch.device("cpu")
+    assert model_mod.cpu_gemm_auto() is (want and torch.backends.mkldnn.is_available())
+    assert model_mod.float32_library(cpu) == ("onednn" if model_mod.cpu_gemm_auto() else "mkl")
+    summary = model_mod.cpu_gemm_summary(cpu)
+    assert summary["mode"] == "auto" and summary["library"] == model_mod.float32_library(cpu)
+    for mode in ("mkl", "onednn"):
+        cpu_gemm(mode)
+        assert model_mod.float32_library(cpu) == mode
+    assert model_mod.float32_library(torch.device("cuda")) is None  # a GPU multiplies itself
+
+
+def test_cpu_info_reads_vendor_and_flags():
+    vendor, flags = model_mod._cpu_info()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert (vendor, flags) == ("", frozenset())
+        return
+    assert vendor and vendor in text
+    assert flags and all(f in text for f in list(flags)[:5])
+
+
+def test_bad_cpu_gemm_is_a_clear_error(cpu_gemm):
+    with pytest.raises(ValueError, match="auto, mkl, onednn"):
+        cpu_gemm("openblas")
+    with pytest.raises(ConfigError, match="--cpu-gemm must be one of auto, mkl, onednn"):
+        TrainerConfig(cluster="c.yaml", cpu_gemm="blas").validate()
