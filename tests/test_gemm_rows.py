@@ -18,6 +18,14 @@ from trainer_client.model import GraphSAGE, SAGEConv, gemm_rows
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def _mkl_products(monkeypatch):
+    """torch's own float32 products (--cpu-gemm mkl), which do not bucket: the unpadded
+    baseline here on any CPU (``auto`` buckets where it takes oneDNN; tests/test_cpu_gemm.py
+    checks that route against DGL)."""
+    monkeypatch.setattr(model_mod, "_CPU_GEMM", "mkl")
+
+
 def _bucket(n: int, device) -> int:
     """What gemm_rows gives where bucketing is on (forced here at float32 precision, so
     both runs below multiply alike and only the padding differs)."""
@@ -217,7 +225,8 @@ def test_gemm_rows_pads_only_at_medium_precision_on_a_bf16_cpu():
     assert [gemm_rows(n, torch.device("cpu")) for n in (1, 1000, 25150)] == [1, 1000, 25150]
     code = (
         "import torch, json\n"
-        "from trainer_client.model import gemm_rows, bf16_products\n"
+        "from trainer_client.model import gemm_rows, bf16_products, set_cpu_gemm\n"
+        "set_cpu_gemm('mkl')\n"  # float32 products that do not bucket (see _mkl_products)
         "torch.set_float32_matmul_precision('medium')\n"
         "bf16 = bf16_products(torch.device('cpu')) is not None\n"
         "print(json.dumps([bool(bf16), [gemm_rows(n, torch.device('cpu')) for n in "

@@ -9,7 +9,7 @@ from common.dgl_compat import import_dgl
 from common.mfg import MFG, NID, Block, to_device
 from common.sampled_mfg import Features, Layer, SampledMFG
 from trainer_client.loader import hidden_share
-from trainer_client.model import GraphSAGE, SAGEConv
+from trainer_client.model import GraphSAGE, SAGEConv, gemm_rows
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +38,9 @@ def test_sageconv_equals_dgl(in_feats, out_feats):
         ref.fc_neigh.weight.copy_(ours.fc_neigh.weight)
         ours.fc_self.bias.copy_(torch.randn(out_feats))
         ref.fc_self.bias.copy_(ours.fc_self.bias)
-    got = ours(block, x)
+    out = ours(block, x)  # [rows, out]: rows past num_dst where gemm_rows buckets
+    assert out.shape[0] == gemm_rows(20, x.device) and out.shape[1] == out_feats
+    got = out[: block.num_dst_nodes()]
     want = ref(block.to_dgl(), (x, x[: block.num_dst_nodes()]))
     assert got.shape == (20, out_feats)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -71,7 +73,7 @@ def test_sageconv_gradients_equal_dgl(in_feats, out_feats, num_src, first):
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(num_src, in_feats, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    got = ours(block, x)
+    got = ours(block, x)[: block.num_dst_nodes()]  # rows past num_dst where gemm_rows buckets
     want = ref(block.to_dgl(), (x_ref, x_ref[: block.num_dst_nodes()]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(got)

@@ -103,7 +103,9 @@ def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path, model, bar):
     summary = _summary(proc.stdout)
     assert summary["matmul_precision"] == "medium"
     assert summary["bf16_products"] == medium_products()  # "cast" on an AMD Zen 4
-    assert summary["gemm_row_buckets"] == (medium_products() is not None)
+    # buckets where the products go to oneDNN: in bfloat16, or in float32 (--cpu-gemm)
+    assert summary["gemm_row_buckets"] == (medium_products() is not None
+                                           or summary["cpu_gemm"]["library"] == "onednn")
     # the model's own products took that route (GAT's projections too), or none did
     route = medium_products()
     assert summary["bf16_products_run"] == ({} if route is None else
@@ -130,6 +132,7 @@ def test_cpu_gemm_libraries_train_to_the_same_bar(cora_dir, tmp_path, library):
     gemm = summary["cpu_gemm"]
     assert gemm["mode"] == library and gemm["library"] == library, gemm
     assert (gemm["onednn_products_run"] > 0) is (library == "onednn"), gemm
+    assert summary["gemm_row_buckets"] is (library == "onednn")  # oneDNN's kernel per shape
     assert summary["test_acc"] >= 0.78, summary
     _assert_clean(tmp_path, str(parts))
 

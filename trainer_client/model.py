@@ -127,16 +127,20 @@ _BF16_CAST: bool | None = None  # whether bfloat16 tensors multiply natively her
 
 def gemm_rows(num_rows: int, device: torch.device) -> int:
     """Rows to give a layer's GEMM operands of ``num_rows`` rows: ``num_rows`` itself, or,
-    where SAGEConv's products run in bfloat16 (``--matmul-precision medium`` on a CPU where
-    that takes effect, :func:`bf16_products`), the next multiple of a step of 1/16 to 1/32 of it.
+    where SAGEConv's products run through oneDNN (in bfloat16: ``--matmul-precision medium``
+    on a CPU where that takes effect, :func:`bf16_products`; in float32: ``--cpu-gemm``'s
+    oneDNN, :func:`float32_library`), the next multiple of a step of 1/16 to 1/32 of it.
 
     oneDNN builds (JIT-compiles) a kernel for every new GEMM shape, 5-10 ms each on this
     2-core machine, while a sampled block's row count changes every batch: with exact shapes
     every GEMM of a step would pay that and run slower than float32. Bucketed shapes repeat
     and hit oneDNN's primitive cache. The extra rows are zeros (or rows no one reads) going
     forward and carry zero gradients back (see :class:`SAGEConv`), so the function and the
-    gradients are the same. MKL's float32 GEMM has no such cost: at the default precision
-    nothing is padded."""
+    gradients are the same. In float32 the build is cheaper but grows with the rows: at
+    45-55k rows x 100 x 256 (the products graph's input layer) a new shape's first product
+    took 30-73 ms against 12-14 ms once built (session 50, AMD EPYC), and the varying
+    output sizes kept growing the heap (100 MB of fresh pages in some calls); bucketed, every
+    call took 12-14 ms. MKL's float32 GEMM has no such cost: on it nothing is padded."""
     if not gemm_buckets(device):
         return num_rows
     step = 1 << max(6, num_rows.bit_length() - 5)
@@ -145,8 +149,9 @@ def gemm_rows(num_rows: int, device: torch.device) -> int:
 
 def gemm_buckets(device: torch.device) -> bool:
     """Whether :func:`gemm_rows` buckets on ``device`` now: wherever SAGEConv's products
-    run in bfloat16 (:func:`bf16_products`), which oneDNN computes with a kernel per shape."""
-    return bf16_products(device) is not None
+    go to oneDNN, which builds a kernel per shape: in bfloat16 (:func:`bf16_products`) or
+    in float32 (:func:`float32_library`)."""
+    return bf16_products(device) is not None or float32_library(device) == "onednn"
 
 
 def bf16_products(device: torch.device) -> str | None:
@@ -396,21 +401,22 @@ def _dnn_mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 class _LinearSumDnn(torch.autograd.Function):
     """:class:`_LinearSum` with oneDNN's float32 kernels (``--cpu-gemm``,
-    :func:`float32_library`): the forward's products (each term after the first added by
-    oneDNN's fused ``add``, no further pass over the output) and the inputs' gradients
-    ``grad W`` run through oneDNN; the weights' gradients ``(x^T grad)^T`` stay on torch's
-    ``mm`` (MKL), which was as fast for that transposed operand on session 50's AMD EPYC
-    while oneDNN read it at half the rate. Float32 products either way: the same function
-    and gradients up to the order of float32 sums."""
+    :func:`float32_library`): the forward's products and the inputs' gradients ``grad W``
+    (``W`` read in place as the transposed right operand) run through oneDNN. Each term
+    after the first is its own product added in place: oneDNN's fused ``add`` post-op was
+    slower than that on session 50's AMD EPYC (14.0 against 11.7 ms for two 25,500 x 100 x
+    256 terms; 31.2 against 20.9 at 50,000 rows). The weights' gradients ``(x^T grad)^T``
+    stay on torch's ``mm`` (MKL): oneDNN copies a transposed left operand first, which cost
+    what its faster kernel saved. Float32 products either way: the same function and
+    gradients up to the order of float32 sums."""
 
     @staticmethod
     def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
         ctx.save_for_backward(*xw)
         ctx.has_bias = bias is not None
-        out = _dnn_mm(xw[0].contiguous(), xw[1].contiguous(), bias)
+        out = _dnn_mm(xw[0].contiguous(), xw[1], bias)
         for i in range(2, len(xw), 2):
-            out = torch.ops.mkldnn._linear_pointwise.binary(
-                xw[i].contiguous(), out, xw[i + 1].contiguous(), None, "add")
+            out += _dnn_mm(xw[i].contiguous(), xw[i + 1])
         ONEDNN_PRODUCTS_RUN[0] += len(xw) // 2
         return out
 
@@ -421,8 +427,8 @@ class _LinearSumDnn(torch.autograd.Function):
         got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
         for i in range(0, len(xw), 2):
             x, w = xw[i], xw[i + 1]
-            got.append(_dnn_mm(grad, w.t().contiguous()) if need[1 + i] else None)
-            got.append(_dnn_mm(x.t(), grad.t()).t().contiguous() if need[2 + i] else None)
+            got.append(_dnn_mm(grad, w.t()) if need[1 + i] else None)
+            got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
         return tuple(got)
 
 
