@@ -86,14 +86,19 @@ def test_sageconv_gradients_equal_dgl(in_feats, out_feats, num_src, first):
                                    msg=name)
 
 
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
 @pytest.mark.parametrize("dropout,in_feats", [(0.0, 10), (0.5, 10), (0.0, 4)])
-def test_graphsage_model_equals_the_dgl_seed_model(dropout, in_feats):
+def test_graphsage_model_equals_the_dgl_seed_model(monkeypatch, dropout, in_feats, library):
     """The whole 3-layer model (in-place ReLU, fused self term) against the benchmark's DGL
     seed model with the same weights: same logits and parameter gradients (dropout off by
     eval mode for the forward check; with dropout the training step must still run). With 4
-    input features the input layer's terms are narrow (model._LinearSumNarrow)."""
+    input features the input layer's terms are narrow (model._LinearSumNarrow). With either
+    ``--cpu-gemm`` library on any CPU: torch's mm, or oneDNN with bucketed rows
+    (model._LinearSumDnn)."""
     from benchmarks.dgl_pipeline import DGLGraphSAGE
+    from trainer_client import model as model_mod
 
+    monkeypatch.setattr(model_mod, "_CPU_GEMM", library)
     import_dgl()
     sizes = [80, 30, 12, 5]
     blocks = [random_block(s, d, 6, seed=40 + i)

@@ -78,8 +78,13 @@ from trainer_client.metrics import (
     rank0_rocauc,
     task_of,
 )
-from trainer_client.model import (PRODUCTS_RUN, bf16_products, cpu_gemm_summary, gemm_buckets,
-                                  set_cpu_gemm)
+from trainer_client.model import (
+    PRODUCTS_RUN,
+    bf16_products,
+    cpu_gemm_summary,
+    gemm_buckets,
+    set_cpu_gemm,
+)
 from trainer_client.models import (
     build_model,
     build_optimizer,
