@@ -50,7 +50,7 @@ TRAINER = TrainerConfig(
     feat_transfer="float16",
     request_timeout_s=17.5,
     shm_ring=False, shm_ring_mb=64, device="cpu", num_threads=3, malloc_retain_mb=64,
-    eval_every=2, seed=11, matmul_precision="medium",
+    eval_every=2, seed=11, matmul_precision="medium", cpu_gemm="mkl",
     progress=False, summary_out="/s.json", max_message_mb=77, heartbeat_s=0.5,
     heartbeat_timeout_s=3.0, curve_secret_key="/k", replica_suspect_s=4.5, run_dir="/run",
     model="gat", gat_heads=2, patience=3, lr_schedule="step", lr_step_epochs=4, lr_gamma=0.25,
@@ -101,7 +101,8 @@ CASES = {
                                               ServerNodeConfig(cluster_out="/o", **NODE)]),
     InferConfig: ("deploy.infer_cli", [InferConfig(
         cluster="/c", run_dir="/r", model="/m.pt", out="/o", parts="/p", batch_size=5,
-        max_inflight=2, device="cpu", num_threads=2, matmul_precision="medium", max_message_mb=9,
+        max_inflight=2, device="cpu", num_threads=2, matmul_precision="medium", cpu_gemm="onednn",
+        max_message_mb=9,
         request_timeout_s=7.5,
         heartbeat_s=0.5, heartbeat_timeout_s=2.5, replica_suspect_s=3.5, curve_secret_key="/k",
         progress=False)]),
