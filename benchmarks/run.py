@@ -958,6 +958,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # DGL's runs set theirs per row; the ddp row and the step modules run at the first
     torch.set_float32_matmul_precision(args.matmul_precision[0])
+    # --cpu-gemm for mfgserve's model code in this process (the step module's side, and the
+    # typed row's DGL side, which runs mfgserve's RelGraphSAGE); dgl.nn multiplies via MKL
+    from trainer_client.model import set_cpu_gemm
+
+    set_cpu_gemm(args.cpu_gemm)
     warnings.filterwarnings("ignore", message=".*CPU affinity.*")
     t_start = time.perf_counter()
     machine, times_start = machine_info(), cpu_times()
