@@ -191,7 +191,8 @@ CPU_GEMM_HELP = (
     "in bfloat16")
 
 
-def _check_cpu_gemm(value: str) -> None:
+def check_cpu_gemm(value: str) -> None:
+    """ConfigError naming ``--cpu-gemm`` unless ``value`` is one of CPU_GEMMS."""
     if value not in CPU_GEMMS:
         raise ConfigError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}, got {value!r}")
 
@@ -373,7 +374,7 @@ class TrainerConfig:
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
         _check_matmul_precision(self.matmul_precision)
-        _check_cpu_gemm(self.cpu_gemm)
+        check_cpu_gemm(self.cpu_gemm)
         check_retain_mb(self.malloc_retain_mb)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
@@ -658,7 +659,7 @@ class InferConfig:
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads must be >= 0, got {self.num_threads}")
         _check_matmul_precision(self.matmul_precision)
-        _check_cpu_gemm(self.cpu_gemm)
+        check_cpu_gemm(self.cpu_gemm)
         if self.request_timeout_s <= 0:
             raise ConfigError("--request-timeout-s must be > 0")
         _check_heartbeat(self.heartbeat_s, self.heartbeat_timeout_s)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, TrainerConfig
+from tests.test_model import term_by_term_and_linear_sum
 from trainer_client import model as model_mod
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,20 +39,10 @@ def test_onednn_products_equal_mkl_products(cpu_gemm, bias, need_x):
         ws = [torch.randn(out, k, generator=g) for k in widths]
         b = torch.randn(out, generator=g)
         grad = torch.randn(rows, out, generator=g)
-        results = []
-        for fn in (lambda bb, terms: model_mod._LinearSum.apply(
-                       bb, *[t for term in terms for t in term]),
-                   model_mod.linear_sum):
-            leaves = ([x.detach().clone().requires_grad_(need_x) for x in xs]
-                      + [w.detach().clone().requires_grad_() for w in ws])
-            bb = b.detach().clone().requires_grad_() if bias else None
-            before = model_mod.ONEDNN_PRODUCTS_RUN[0]
-            got = fn(bb, list(zip(leaves[:len(xs)], leaves[len(xs):])))
-            ran = model_mod.ONEDNN_PRODUCTS_RUN[0] - before
-            got.backward(grad)
-            results.append([got.detach(), *[t.grad for t in leaves if t.requires_grad],
-                            *([bb.grad] if bias else [])])
-        assert ran == len(widths), (rows, widths)  # the second fn: linear_sum, on oneDNN
+        before = model_mod.ONEDNN_PRODUCTS_RUN[0]
+        results = term_by_term_and_linear_sum(xs, ws, b if bias else None, grad, need_x)
+        ran = model_mod.ONEDNN_PRODUCTS_RUN[0] - before
+        assert ran == len(widths), (rows, widths)  # linear_sum's products, all on oneDNN
         assert len(results[0]) == len(results[1])
         for want, got in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -369,6 +369,27 @@ def test_mean_with_relu_dropout_equals_relu_dropout_then_mean(p):
     torch.testing.assert_close(g11, g8, rtol=0, atol=0, equal_nan=True)
 
 
+def term_by_term_and_linear_sum(xs, ws, b, grad, need_x: bool) -> list[list]:
+    """``bias + sum x W^T`` over ``zip(xs, ws)`` (``b``: the bias or None) by model._LinearSum
+    (torch's mm, term by term), then by model.linear_sum (whatever route it takes here), each
+    on fresh leaves, backward with ``grad``: per way, [output, the gradients of the inputs
+    (where ``need_x``), of the weights, of the bias]."""
+    from trainer_client import model as model_mod
+
+    results = []
+    for fn in (lambda bb, terms: model_mod._LinearSum.apply(
+                   bb, *[t for term in terms for t in term]),
+               model_mod.linear_sum):
+        leaves = ([x.detach().clone().requires_grad_(need_x) for x in xs]
+                  + [w.detach().clone().requires_grad_() for w in ws])
+        bb = b.detach().clone().requires_grad_() if b is not None else None
+        got = fn(bb, list(zip(leaves[:len(xs)], leaves[len(xs):])))
+        got.backward(grad)
+        results.append([got.detach(), *[t.grad for t in leaves if t.requires_grad],
+                        *([bb.grad] if bb is not None else [])])
+    return results
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("need_x", [True, False])
 def test_narrow_terms_take_one_product_with_the_same_results(monkeypatch, bias, need_x):
@@ -393,17 +414,7 @@ def test_narrow_terms_take_one_product_with_the_same_results(monkeypatch, bias, 
         ws = [torch.randn(out, k, generator=g) for k in widths]
         b = torch.randn(out, generator=g)
         grad = torch.randn(33, out, generator=g)
-        results = []
-        for fn in (lambda bb, terms: model_mod._LinearSum.apply(
-                       bb, *[t for term in terms for t in term]),
-                   model_mod.linear_sum):
-            leaves = ([x.detach().clone().requires_grad_(need_x) for x in xs]
-                      + [w.detach().clone().requires_grad_() for w in ws])
-            bb = b.detach().clone().requires_grad_() if bias else None
-            got = fn(bb, list(zip(leaves[:len(xs)], leaves[len(xs):])))
-            got.backward(grad)
-            results.append([got.detach(), *[t.grad for t in leaves if t.requires_grad],
-                            *([bb.grad] if bias else [])])
+        results = term_by_term_and_linear_sum(xs, ws, b if bias else None, grad, need_x)
         before = calls["narrow"]
         model_mod.linear_sum(None, list(zip(xs, ws)))
         assert (calls["narrow"] > before) is narrow, (widths, out)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.config import CPU_GEMMS
+from common.config import check_cpu_gemm
 from common.mfg import Block
 
 
@@ -116,7 +116,7 @@ def _pad_offsets(offsets: Tensor, extra: int) -> Tensor:
 
 
 _BF16_GEMM: bool | None = None  # whether medium precision multiplies in bfloat16 here (probed)
-#: ``--cpu-gemm`` (common.config.CPU_GEMMS): which library multiplies the model's float32
+#: ``--cpu-gemm`` (one of common.config.CPU_GEMMS): which library multiplies the model's float32
 #: products on the CPU (:func:`float32_library`)
 _CPU_GEMM = "auto"
 _ONEDNN_AUTO: bool | None = None  # what "auto" chose on this CPU (cpu_gemm_auto)
@@ -229,8 +229,7 @@ def set_cpu_gemm(mode: str) -> None:
     """``--cpu-gemm`` for this process: which library multiplies the model's float32
     products on the CPU (:func:`float32_library`). ``onednn`` needs a torch built with it."""
     global _CPU_GEMM
-    if mode not in CPU_GEMMS:
-        raise ValueError(f"--cpu-gemm must be one of {', '.join(CPU_GEMMS)}, got {mode!r}")
+    check_cpu_gemm(mode)
     if mode == "onednn" and not torch.backends.mkldnn.is_available():
         raise ValueError("--cpu-gemm onednn: this torch build has no oneDNN "
                          "(torch.backends.mkldnn.is_available() is False); use auto or mkl")
