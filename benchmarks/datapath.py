@@ -38,6 +38,13 @@ Ratios (mfgserve / DGL, > 1: mfgserve better) against DGL's best ``num_workers``
 CPU-second (``per_core_*``), per CPU-second of all processes involved (``per_total_cpu_*``),
 and plain seeds/s.
 
+``--rounds N`` measures every row N times, mfgserve's rows first in odd rounds and DGL's
+first in even ones; round r > 1's results are named ``<name>_r<r>``, and each ratio is the
+median of the rounds' ratios (each round's against that round's best DGL row), the rounds'
+values under ``<key>_rounds``. On a shared VM one side's window can fall in a slow minute
+that the other's misses (session 50: products per core 1.73-3.22 between runs of one code);
+rows measured back to back move together.
+
 Servers are stopped with a Shutdown message (the launcher's token), exit codes checked
 (``exit_codes``, ``clean_exit``; SIGTERM / SIGKILL only if they do not exit: ``teardown``).
 
@@ -55,6 +62,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 import traceback
@@ -399,6 +407,7 @@ class Settings:
     shutdown_timeout_s: float = 20.0
     malloc_retain_mb: int = DEFAULT_RETAIN_MB  # the servers'; the consumer's is its process's
     cache_ratio: float = 0.0  # > 0: one more 1-server row with the trainer's feature cache
+    rounds: int = 1  # every row this many times, alternating which side goes first
 
     @classmethod
     def from_args(cls, args) -> Settings:
@@ -417,7 +426,8 @@ class Settings:
             seed=int(g(args, "seed", 0) or 0), num_threads=g(args, "num_threads", None) or None,
             shutdown_timeout_s=float(g(args, "shutdown_timeout_s", 20.0) or 20.0),
             malloc_retain_mb=int(g(args, "malloc_retain_mb", DEFAULT_RETAIN_MB)),
-            cache_ratio=float(g(args, "datapath_cache_ratio", 0.0) or 0.0))
+            cache_ratio=float(g(args, "datapath_cache_ratio", 0.0) or 0.0),
+            rounds=int(g(args, "rounds", 1) or 1))
 
 
 def _best(rows: list[dict], key: str) -> float | None:
@@ -429,13 +439,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def ratios(results: dict[str, dict]) -> dict:
-    """mfgserve / best DGL per server count: per sampler CPU-s, per total CPU-s, seeds/s."""
-    dgl = [r for r in results.values() if r.get("side") == "dgl"]
+def _round_ratios(results: list[dict]) -> dict:
+    """One round's ratios: mfgserve / that round's best DGL row, per server count."""
+    dgl = [r for r in results if r.get("side") == "dgl"]
     out: dict = {}
-    best = {k: _best(dgl, k) for k in ("seeds_per_sampler_cpu_s", "seeds_per_total_cpu_s",
-                                       "seeds_per_s")}
-    for r in results.values():
+    best = {k: _best(dgl, k) for k in _RATIO_KEYS}
+    for r in results:
         if r.get("side") != "mfgserve":
             continue
         n = f"{r['servers']}srv" + ("_cache" if r.get("cache_ratio") else "")
@@ -448,52 +457,113 @@ def ratios(results: dict[str, dict]) -> dict:
     return out
 
 
+_RATIO_KEYS = ("seeds_per_sampler_cpu_s", "seeds_per_total_cpu_s", "seeds_per_s")
+
+
+def ratios(results: dict[str, dict]) -> dict:
+    """mfgserve / best DGL per server count: per sampler CPU-s, per total CPU-s, seeds/s.
+
+    Each round's ratio pairs the rows measured in that round (``round`` in each result; 1
+    where absent). With one round these are that round's ratios; with more, each ratio is
+    the **median of the rounds' ratios**, the rounds' values listed under ``<key>_rounds``,
+    and ``dgl_best`` holds the median of each round's best DGL figure."""
+    by_round: dict[int, list[dict]] = {}
+    for r in results.values():
+        by_round.setdefault(int(r.get("round", 1)), []).append(r)
+    per = [_round_ratios(by_round[k]) for k in sorted(by_round)]
+    if len(per) <= 1:
+        return per[0] if per else {"dgl_best": {k: None for k in _RATIO_KEYS}}
+    out: dict = {}
+    for k in dict.fromkeys(k for p in per for k in p if k != "dgl_best"):
+        vals = [p[k] for p in per if p.get(k) is not None]
+        out[k] = round(statistics.median(vals), 3) if vals else None
+        out[f"{k}_rounds"] = vals
+    out["dgl_best"] = {}
+    for k in _RATIO_KEYS:
+        vals = [p["dgl_best"][k] for p in per if p["dgl_best"].get(k)]
+        out["dgl_best"][k] = round(statistics.median(vals), 1) if vals else None
+    return out
+
+
+def round_suffix(r: int) -> str:
+    """The result-name suffix of round ``r``: "" for round 1, ``_r2``, ``_r3``, ..."""
+    return "" if r == 1 else f"_r{r}"
+
+
 def measure(parts: str | Path, s: Settings, log=None) -> tuple[dict, dict]:
-    """Every measurement of this step: (results by name, errors by name)."""
+    """Every measurement of this step, ``s.rounds`` times: (results by name, errors by name).
+    Round 1 runs mfgserve's rows first, then DGL's; round 2 DGL's first, and so on, so that
+    each round pairs the two sides measured back to back. Round r > 1's results are named
+    ``<name>_r<r>``; every result carries its ``round``."""
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
+    loaded: list = []  # DGL's full graph, loaded at its first use and kept for every round
 
     def note(msg: str) -> None:
         if log is not None:
             log(msg)
 
+    def full_graph():
+        if not loaded:
+            from benchmarks.dgl_pipeline import load_full_graph
+
+            loaded.append(load_full_graph(parts))
+        return loaded[0]
+
+    for r in range(1, s.rounds + 1):
+        if s.rounds > 1:
+            note(f"round {r} of {s.rounds}, {'mfgserve' if r % 2 else 'DGL'} first")
+        sides = [_measure_ours, _measure_dgl] if r % 2 else [_measure_dgl, _measure_ours]
+        for side in sides:
+            side(parts, s, r, results, errors, note, full_graph)
+    loaded.clear()
+    gc.collect()
+    return results, errors
+
+
+def _measure_ours(parts, s: Settings, r: int, results: dict, errors: dict, note,
+                  full_graph) -> None:
+    """Round ``r``'s mfgserve rows: each server count, then the trainer-cache row."""
     runs = [(n, 0.0) for n in s.servers] + ([(1, s.cache_ratio)] if s.cache_ratio > 0 else [])
     for n, cache_ratio in runs:
-        name = f"{STEP}-mfgserve-{n}srv" + ("-cache" if cache_ratio else "")
+        name = (f"{STEP}-mfgserve-{n}srv" + ("-cache" if cache_ratio else "")
+                + round_suffix(r))
         note(f"{name}: {n} server(s) x {s.sampler_procs or s.server_workers} samplers"
              + (f", trainer feature cache {cache_ratio:g}" if cache_ratio else ""))
         try:
-            r = results[name] = measure_mfgserve(
+            res = results[name] = measure_mfgserve(
                 parts, servers_per_part=n, fanouts=s.fanouts, batch_size=s.batch_size,
                 num_batches=s.num_batches, warmup=s.warmup, server_workers=s.server_workers,
                 sampler_procs=s.sampler_procs, inflight=s.inflight, shm_ring=s.shm_ring,
                 seed=s.seed, num_threads=s.num_threads,
                 shutdown_timeout_s=s.shutdown_timeout_s, malloc_retain_mb=s.malloc_retain_mb,
                 cache_ratio=cache_ratio)
-            if not r["clean_exit"]:  # the figures stand; the unclean exit is an error
-                errors[name] = (f"servers did not exit cleanly: exit codes {r['exit_codes']}, "
-                                f"teardown {r['teardown']} after {r['teardown_s']} s (a "
-                                "Shutdown message gets half of --shutdown-timeout-s)")
+            res["round"] = r
+            if not res["clean_exit"]:  # the figures stand; the unclean exit is an error
+                errors[name] = (f"servers did not exit cleanly: exit codes "
+                                f"{res['exit_codes']}, teardown {res['teardown']} after "
+                                f"{res['teardown_s']} s (a Shutdown message gets half of "
+                                "--shutdown-timeout-s)")
         except Exception as e:  # recorded; the other measurements still run
             errors[name] = f"{type(e).__name__}: {e}"
             note(traceback.format_exc())
-    if s.dgl_workers:
-        from benchmarks.dgl_pipeline import load_full_graph
 
-        fg = load_full_graph(parts)
-        for w in s.dgl_workers:
-            name = f"{STEP}-dgl-w{w}"
-            note(f"{name}: DGL DataLoader num_workers={w}")
-            try:
-                results[name] = measure_dgl(
-                    fg, fanouts=s.fanouts, batch_size=s.batch_size, num_batches=s.num_batches,
-                    num_workers=w, warmup=s.warmup, seed=s.seed, num_threads=s.num_threads)
-            except Exception as e:
-                errors[name] = f"{type(e).__name__}: {e}"
-                note(traceback.format_exc())
-        del fg
-        gc.collect()
-    return results, errors
+
+def _measure_dgl(parts, s: Settings, r: int, results: dict, errors: dict, note,
+                 full_graph) -> None:
+    """Round ``r``'s DGL rows: each ``--dgl-workers`` value."""
+    for w in s.dgl_workers:
+        name = f"{STEP}-dgl-w{w}" + round_suffix(r)
+        note(f"{name}: DGL DataLoader num_workers={w}")
+        try:
+            res = results[name] = measure_dgl(
+                full_graph(), fanouts=s.fanouts, batch_size=s.batch_size,
+                num_batches=s.num_batches, num_workers=w, warmup=s.warmup, seed=s.seed,
+                num_threads=s.num_threads)
+            res["round"] = r
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+            note(traceback.format_exc())
 
 
 def run_step(parts: Path, args) -> dict[str, dict]:
@@ -555,6 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "holding this share of the hottest nodes (the trainer's "
                         "--cache-ratio; rows filled in by the consumer, counted in its CPU); "
                         "ratios suffixed _cache (default 0: none)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every row this many times, mfgserve's rows first in odd "
+                        "rounds and DGL's first in even ones; each ratio is then the median "
+                        "of the rounds' ratios, each pairing rows measured back to back, so "
+                        "that a shared machine's drift moves both sides of a round alike "
+                        "(default 1; later rounds' results are named <name>_r<round>)")
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch threads of this (consumer) process; 0 keeps torch's default")
@@ -566,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     from partition.layout import PartitionFormatError, PartitionSetMeta
 
-    for name in ("batch_size", "num_batches", "warmup", "server_workers", "inflight"):
+    for name in ("batch_size", "num_batches", "warmup", "server_workers", "inflight",
+                 "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.datapath_cache_ratio <= 1.0:
@@ -613,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                  inflight=args.inflight, shm_ring=args.shm_ring, dgl_workers=args.dgl_workers,
                  seed=args.seed, num_threads=args.num_threads or None,
                  shutdown_timeout_s=args.shutdown_timeout_s,
-                 malloc_retain_mb=args.malloc_retain_mb, cache_ratio=args.datapath_cache_ratio)
+                 malloc_retain_mb=args.malloc_retain_mb, cache_ratio=args.datapath_cache_ratio,
+                 rounds=args.rounds)
     results, errors = measure(args.parts, s, logger(STEP))
     summary = {"config": {**dataclasses.asdict(s), "parts": str(args.parts),
                           "cores": os.cpu_count()},

@@ -40,6 +40,9 @@ best DGL configuration; a row's ratio is the **median of its rounds' ratios** (t
 ``train_seeds_per_s_<d>_rounds``), and its seeds/s per side the median over rounds. On a
 shared machine whose speed drifts by tens of percent within minutes, a single round's ratio
 moves with the drift; pairs measured back to back move together.
+The ``datapath`` step takes the same ``--rounds``: every row of it per round, mfgserve's
+first in odd rounds and DGL's first in even ones, each ratio the median of the rounds'
+(:func:`benchmarks.datapath.ratios`).
 
 Output: progress and a human-readable table on stderr; the LAST stdout line is one JSON object
 ``{"machine", "config", "families", "graphs", "results", "ratios", "headline", "comparison",
@@ -196,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dropout) this many times per family, alternating which side goes "
                         "first; a row's ratio is then the median of the rounds' ratios, each "
                         "pairing two runs made back to back, so that a machine whose speed "
-                        "drifts moves both sides of a round alike (default 1; 3 on a shared "
+                        "drifts moves both sides of a round alike; the datapath step is "
+                        "measured as many rounds the same way (default 1; 3 on a shared "
                         "machine)")
     p.add_argument("--max-batches", type=int, default=None,
                    help="cap on DGL training batches per epoch (per process under DDP) and "

@@ -85,6 +85,57 @@ def test_datapath_with_trainer_cache(parts):
     _positive(s["ratios"], "per_core_1srv", "per_core_1srv_cache", "per_total_cpu_1srv_cache")
 
 
+@pytest.mark.timeout(120)
+def test_datapath_rounds(parts):
+    """``--rounds 2``: every row twice (round 2's named ``_r2``, each result carrying its
+    round), each ratio the median of the two rounds' ratios, which are listed."""
+    s = _run(["benchmarks.datapath", "--parts", str(parts), "--fanouts", "5,5",
+              "--batch-size", "256", "--num-batches", "5", "--warmup", "1", "--servers", "1",
+              "--dgl-workers", "0", "--rounds", "2"], timeout=110)
+    assert s["errors"] == {} and s["config"]["rounds"] == 2
+    r = s["results"]
+    assert set(r) == {"datapath-mfgserve-1srv", "datapath-dgl-w0",
+                      "datapath-mfgserve-1srv_r2", "datapath-dgl-w0_r2"}
+    assert [r[k]["round"] for k in sorted(r)] == [1, 2, 1, 2]
+    assert all(v["clean_exit"] for k, v in r.items() if "mfgserve" in k)
+    per = s["ratios"]["per_core_1srv_rounds"]
+    assert len(per) == 2 and all(x > 0 for x in per)
+    for k in ("per_core_1srv", "per_total_cpu_1srv", "seeds_per_s_1srv"):
+        got = s["ratios"][f"{k}_rounds"]
+        assert s["ratios"][k] == pytest.approx(sum(got) / 2, abs=1e-3)  # median of two
+    for sfx, rnd in (("", 1), ("_r2", 2)):  # each round's ratio pairs its own rows
+        ours, dgl = r[f"datapath-mfgserve-1srv{sfx}"], r[f"datapath-dgl-w0{sfx}"]
+        assert per[rnd - 1] == pytest.approx(
+            ours["seeds_per_sampler_cpu_s"] / dgl["seeds_per_sampler_cpu_s"], abs=1e-3)
+
+
+def test_ratios_pair_each_round():
+    """:func:`benchmarks.datapath.ratios` on made-up rows: a round's ratio is against that
+    round's best DGL row, the figure is the median over rounds; one round: no lists."""
+    from benchmarks.datapath import ratios
+
+    def ours(rnd, per_core):
+        return {"side": "mfgserve", "servers": 1, "round": rnd, "seeds_per_s": 1.0,
+                "seeds_per_sampler_cpu_s": per_core, "seeds_per_total_cpu_s": 1.0}
+
+    def dgl(rnd, w, per_core):
+        return {"side": "dgl", "num_workers": w, "round": rnd, "seeds_per_s": 1.0,
+                "seeds_per_sampler_cpu_s": per_core, "seeds_per_total_cpu_s": 1.0}
+
+    rows = {"a": ours(1, 30.0), "b": dgl(1, 0, 10.0), "c": dgl(1, 1, 15.0),
+            "d": ours(2, 20.0), "e": dgl(2, 0, 20.0), "f": ours(3, 50.0), "g": dgl(3, 1, 10.0)}
+    got = ratios(rows)
+    assert got["per_core_1srv_rounds"] == [2.0, 1.0, 5.0]
+    assert got["per_core_1srv"] == 2.0  # the median, not the ratio of medians (30 / 15)
+    assert got["dgl_best"]["seeds_per_sampler_cpu_s"] == 15.0
+    one = ratios({"a": ours(1, 30.0), "b": dgl(1, 0, 10.0)})
+    assert one["per_core_1srv"] == 3.0 and "per_core_1srv_rounds" not in one
+    legacy = ratios({"a": {k: v for k, v in ours(1, 30.0).items() if k != "round"},
+                     "b": dgl(1, 0, 10.0)})  # a result without "round" is round 1's
+    assert legacy["per_core_1srv"] == 3.0
+    assert ratios({})["dgl_best"]["seeds_per_sampler_cpu_s"] is None
+
+
 @pytest.mark.timeout(60)
 def test_limits_small(parts):
     s = _run(["benchmarks.limits", "--parts", str(parts), "--fanouts", "5,5",
@@ -117,8 +168,10 @@ def test_settings_from_run_namespace():
                             shm_ring=True, num_threads=None)
     d = datapath.Settings.from_args(ns)
     assert (d.num_batches, d.servers, d.dgl_workers, d.seed) == (90, [1, 2], [0, 1], 3)
-    ns.max_batches = 7
-    assert datapath.Settings.from_args(ns).num_batches == 7
+    assert d.rounds == 1
+    ns.max_batches, ns.rounds = 7, 3  # benchmarks.run's --rounds
+    assert (datapath.Settings.from_args(ns).num_batches, datapath.Settings.from_args(ns).rounds
+            ) == (7, 3)
     lim = limits.Settings.from_args(ns)
     assert lim.fanouts == [15, 10, 5] and lim.mem_mib == 1024
 
