@@ -31,6 +31,9 @@ fanouts and batch size, for each ``--dgl-workers`` value; the consumer touches t
 tensors. Its sampler CPU seconds are those of the process(es) doing sampling + gathering:
 this process for ``num_workers`` 0 (DGL's sampler may use several OpenMP threads: counted),
 the worker processes for ``num_workers`` >= 1 (the main process is given apart).
+Page faults in the timed window (``server_faults``, ``consumer_faults``, DGL's
+``sampler_faults``: minor and major, from ``/proc/<pid>/stat``) tell a slow window that was
+paging partition files back in (major faults) from one that was not.
 ``touch_s`` is the wall time of the consumer's sums in the window on both sides (with DGL
 ``num_workers`` 0 it is inside the sampler CPU seconds, a few percent of them).
 
@@ -102,6 +105,34 @@ def _cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:
 def _cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU seconds spent between two snapshots (a process new since ``before``: all of it)."""
     return sum(v - before.get(pid, 0.0) for pid, v in after.items())
+
+
+def _faults(procs: list[psutil.Process], descendants: bool = True
+            ) -> dict[int, tuple[int, int]]:
+    """(minor, major) page faults of each process (and its descendants) so far, by pid,
+    from ``/proc/<pid>/stat``; empty where that is not readable (not Linux)."""
+    out: dict[int, tuple[int, int]] = {}
+    for p in procs:
+        try:
+            family = [p, *(p.children(recursive=True) if descendants else ())]
+        except psutil.Error:
+            continue
+        for q in family:
+            try:
+                with open(f"/proc/{q.pid}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
+                out[q.pid] = (int(fields[7]), int(fields[9]))  # minflt, majflt
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _faults_delta(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]
+                  ) -> dict[str, int]:
+    """Page faults taken between two :func:`_faults` snapshots: ``{"minor", "major"}``."""
+    mn = sum(v[0] - before.get(pid, (0, 0))[0] for pid, v in after.items())
+    mj = sum(v[1] - before.get(pid, (0, 0))[1] for pid, v in after.items())
+    return {"minor": mn, "major": mj}
 
 
 def _own_cpu() -> float:
@@ -213,8 +244,10 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
         with _torch_threads(num_threads):
             got = _consume_mfgserve(loader, num_batches, warmup,
                                     lambda: (_cpu_seconds(server_procs), _own_cpu(),
-                                             _stats(ctx, endpoints)))
-        (srv0, own0, st0), (srv1, own1, st1) = got.pop("before"), got.pop("after")
+                                             _stats(ctx, endpoints), _faults(server_procs),
+                                             _faults([psutil.Process()], False)))
+        (srv0, own0, st0, sf0, of0), (srv1, own1, st1, sf1, of1) = (got.pop("before"),
+                                                                    got.pop("after"))
         server_cpu = _cpu_delta(srv0, srv1)
         consumer_cpu = own1 - own0
         busy = _busy_s(st0, st1)
@@ -241,6 +274,9 @@ def measure_mfgserve(parts: str | Path, *, servers_per_part: int, fanouts: list[
             "server_stage_s": {k: round(busy[k], 3) for k in _BUSY},
             "seeds_per_server_busy_s": round(n_seeds / max(busy_s, 1e-9), 1),
             "consumer_cpu_s": round(consumer_cpu, 3), "touch_s": round(got["touch_s"], 4),
+            # in the timed window: pages the servers (and the consumer) faulted in; major
+            # ones were read from disk (a partition file out of the page cache)
+            "server_faults": _faults_delta(sf0, sf1), "consumer_faults": _faults_delta(of0, of1),
             "total_cpu_s": round(server_cpu + consumer_cpu, 3),
             "seeds_per_total_cpu_s": round(n_seeds / max(server_cpu + consumer_cpu, 1e-9), 1),
             "replies_in_ring": loader.stats.ring_hits,
@@ -335,11 +371,17 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
     def workers() -> dict[int, float]:
         return _cpu_seconds(me.children(recursive=False))
 
+    def sampler_faults() -> dict[int, tuple[int, int]]:
+        if num_workers == 0:
+            return _faults([me], descendants=False)
+        return _faults(me.children(recursive=False))
+
     total = warmup + num_batches
     seen = seeds = input_nodes = feat_bytes = 0
     check = 0.0
     t0 = time.perf_counter()
     w0 = w1 = {}
+    f0 = f1 = {}
     own0 = own1 = elapsed = touch_s = 0.0
     with _torch_threads(num_threads):
         while seen < total:
@@ -350,7 +392,8 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
                 check += float(x.sum()) + float(y.sum())
                 seen += 1
                 if seen == warmup:
-                    w0, own0, t0, touch_s = workers(), _own_cpu(), time.perf_counter(), 0.0
+                    w0, own0, f0 = workers(), _own_cpu(), sampler_faults()
+                    t0, touch_s = time.perf_counter(), 0.0
                 elif seen > warmup:
                     touch_s += time.perf_counter() - t_touch
                     seeds += out_nodes.numel()
@@ -358,7 +401,7 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
                     feat_bytes += x.numel() * x.element_size() + y.numel() * y.element_size()
                 if seen >= total:
                     elapsed = time.perf_counter() - t0
-                    w1, own1 = workers(), _own_cpu()
+                    w1, own1, f1 = workers(), _own_cpu(), sampler_faults()
                     break
     del loader
     gc.collect()  # persistent workers end with their iterator
@@ -374,6 +417,7 @@ def measure_dgl(fg, *, fanouts: list[int], batch_size: int, num_batches: int,
         "seeds_per_sampler_cpu_s": round(seeds / max(sampler_cpu, 1e-9), 1),
         "main_cpu_s": round(main_cpu, 3), "worker_cpu_s": round(worker_cpu, 3),
         "touch_s": round(touch_s, 4),
+        "sampler_faults": _faults_delta(f0, f1),  # of the processes in sampler_cpu_of
         "total_cpu_s": round(main_cpu + worker_cpu, 3),
         "seeds_per_total_cpu_s": round(seeds / max(main_cpu + worker_cpu, 1e-9), 1),
         "checksum_finite": bool(torch.isfinite(torch.tensor(check))),

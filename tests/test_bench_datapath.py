@@ -56,11 +56,15 @@ def test_datapath_small(parts):
         assert m["exit_codes"] == [0] * n and m["clean_exit"] is True
         assert m["teardown"] in ("none", "polite")
         assert m["shm_ring"] is True and m["replies_in_ring"] > 0  # the ring was used
+        for k in ("server_faults", "consumer_faults"):  # counted over the timed window
+            assert set(m[k]) == {"minor", "major"} and min(m[k].values()) >= 0, m[k]
     for w in (0, 1):
         d = r[f"datapath-dgl-w{w}"]
         assert d["num_workers"] == w and d["batches"] == 20
         _positive(d, "seeds_per_s", "sampler_cpu_s", "seeds_per_sampler_cpu_s",
                   "seeds_per_total_cpu_s")
+        assert set(d["sampler_faults"]) == {"minor", "major"}
+        assert min(d["sampler_faults"].values()) >= 0
     _positive(s["ratios"], "per_core_1srv", "per_core_2srv", "per_total_cpu_1srv",
               "seeds_per_s_2srv")
 
