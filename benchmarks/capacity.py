@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import REPO, command_line, int_list, logger
+from benchmarks.report import REPO, command_line, int_list, logger, process_cpu_s
 from common.errors import ConfigError
 
 log = logger("capacity")
@@ -839,8 +839,8 @@ def _server_run(parts: Path, fanouts: list[int], batch: int, batches: int, seed:
         endpoints = _wait_ready(group, ready, 300.0)
         procs = [psutil.Process(c.proc.pid) for c in group.children]
 
-        def cpu() -> float:
-            return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+        def cpu() -> float:  # to the nanosecond: a tiny graph's few batches take ms
+            return sum(process_cpu_s(p) for p in procs)
 
         ep = endpoints[0]
         ch = RpcChannel(ctx, ep, timeout_s=300.0, setting="--step-timeout-s",

@@ -74,7 +74,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from benchmarks.report import add_malloc_arg, apply_malloc, int_list
+from benchmarks.report import add_malloc_arg, apply_malloc, int_list, process_cpu_s
 from common.alloc import DEFAULT_RETAIN_MB
 
 STEP = "datapath"
@@ -95,8 +95,7 @@ def _cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:
             continue
         for q in family:
             try:
-                t = q.cpu_times()
-                out[q.pid] = t.user + t.system
+                out[q.pid] = process_cpu_s(q)
             except psutil.Error:
                 pass
     return out
@@ -136,8 +135,7 @@ def _faults_delta(before: dict[int, tuple[int, int]], after: dict[int, tuple[int
 
 
 def _own_cpu() -> float:
-    t = psutil.Process().cpu_times()
-    return t.user + t.system
+    return time.process_time()  # this process's threads, to the nanosecond
 
 
 @contextlib.contextmanager

@@ -73,6 +73,23 @@ def cached_parts(parts: Path, commands: list[list[str]], log: Callable[[str], No
     return parts
 
 
+def process_cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds ``proc`` has run so far, all its threads (live and exited),
+    to the nanosecond: its process CPU-time clock (Linux's ``clock_getcpuclockid``, read with
+    ``clock_gettime``). psutil's ``cpu_times`` counts in clock ticks (10 ms here), so a window
+    of a few small batches can read 0. Falls back to psutil where the clock cannot be read
+    (another OS; a process of another user). Raises ``psutil.Error`` for a process gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED): what clock_getcpuclockid(pid) returns
+            return time.clock_gettime(((~proc.pid) << 3) | 2)
+        except OSError:  # the process is gone (EINVAL), or not ours to read
+            if not proc.is_running():
+                raise psutil.NoSuchProcess(proc.pid) from None
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
 def cpu_times():
     """This machine's CPU times since boot (``psutil.cpu_times()``: per state, in seconds; on
     Linux ``steal`` among them)."""

@@ -189,3 +189,32 @@ def test_step_small_with_dgl_under_autocast(parts):
               "--matmul-precision", "medium", "--dgl-autocast"], timeout=170)
     assert s["dgl_autocast"] is True and s["timed_steps"] == 2
     _positive(s, "mfgserve_ms", "dgl_ms", "ratio", "input_nodes_per_batch")
+
+
+@pytest.mark.timeout(60)
+def test_process_cpu_s_reads_another_process_to_the_nanosecond():
+    """:func:`benchmarks.report.process_cpu_s` reads a child's CPU clock: after the child
+    spun for 3 ms of its own CPU time (less than psutil's 10 ms tick), the reading is at
+    least what the child's own clock said; a process that is gone raises psutil's error."""
+    import psutil
+
+    from benchmarks.report import process_cpu_s
+
+    code = ("import sys, time\n"
+            "t = time.process_time()\n"
+            "while time.process_time() - t < 0.003: pass\n"
+            "print(time.process_time(), flush=True)\n"
+            "sys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    proc = psutil.Process(child.pid)
+    try:
+        own = float(child.stdout.readline())
+        got = process_cpu_s(proc)
+        assert got >= own > 0
+        assert got != round(got, 2)  # not a count of 10 ms ticks
+    finally:
+        child.stdin.close()
+        assert child.wait(timeout=30) == 0
+    with pytest.raises(psutil.Error):
+        process_cpu_s(proc)
