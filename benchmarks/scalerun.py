@@ -118,7 +118,15 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from benchmarks.report import REPO, command_line, emit_summary, int_list, logger, ratio
+from benchmarks.report import (
+    REPO,
+    command_line,
+    emit_summary,
+    int_list,
+    logger,
+    process_cpu_s,
+    ratio,
+)
 from common.cli import Interrupted, raise_on_signals
 
 PRODUCTS_NODES = 2_449_029
@@ -228,24 +236,24 @@ class TreePoller:
                 try:
                     with m.oneshot():
                         full = m.memory_full_info()
-                        t = m.cpu_times()
+                    m_cpu = process_cpu_s(m)  # to the ns: a tiny run serves for ms
                 except psutil.Error:
                     continue
                 rss += full.rss
                 pss += getattr(full, "pss", full.rss)
                 uss += getattr(full, "uss", full.rss)
-                cpu += t.user + t.system
+                cpu += m_cpu
             s = self.servers.setdefault(pid, {"part": _server_part(cmd), "pid": pid,
                                               "peak_rss_bytes": 0, "peak_pss_bytes": 0,
                                               "peak_uss_bytes": 0, "cpu_s": 0.0,
                                               "cpu_at_trainer_start_s": None,
                                               "processes": 0})
             if trainer_seen and s["cpu_at_trainer_start_s"] is None:
-                s["cpu_at_trainer_start_s"] = round(cpu, 2)
+                s["cpu_at_trainer_start_s"] = round(cpu, 6)
             s["peak_rss_bytes"] = max(s["peak_rss_bytes"], rss)
             s["peak_pss_bytes"] = max(s["peak_pss_bytes"], pss)
             s["peak_uss_bytes"] = max(s["peak_uss_bytes"], uss)
-            s["cpu_s"] = max(s["cpu_s"], round(cpu, 2))
+            s["cpu_s"] = max(s["cpu_s"], round(cpu, 6))
             s["processes"] = max(s["processes"], len(members))
             rss_sum, pss_sum = rss_sum + rss, pss_sum + pss
         self.server_rss_sum = max(self.server_rss_sum, rss_sum)
@@ -639,7 +647,7 @@ def train_figures(summary: dict, poll: TreePoller, wall: float, eval_batches: in
     res["server_cpu_s"] = round(sum(s["cpu_s"] for s in servers), 2)
     serving = [s["cpu_s"] - s["cpu_at_trainer_start_s"] for s in servers
                if s["cpu_at_trainer_start_s"] is not None]
-    res["server_serving_cpu_s"] = round(sum(serving), 2) if serving else None
+    res["server_serving_cpu_s"] = round(sum(serving), 4) if serving else None
     res["eval_batches"] = eval_batches
     res["server_cpu_ms_per_batch"] = (round(1000 * sum(serving) / requests, 3)
                                       if serving and requests else None)
