@@ -40,9 +40,12 @@ def test_onednn_products_equal_mkl_products(cpu_gemm, bias, need_x):
         b = torch.randn(out, generator=g)
         grad = torch.randn(rows, out, generator=g)
         before = model_mod.ONEDNN_PRODUCTS_RUN[0]
+        wgrads_before = model_mod.ONEDNN_WEIGHT_GRADS_RUN[0]
         results = term_by_term_and_linear_sum(xs, ws, b if bias else None, grad, need_x)
         ran = model_mod.ONEDNN_PRODUCTS_RUN[0] - before
         assert ran == len(widths), (rows, widths)  # linear_sum's products, all on oneDNN
+        # and every weight's gradient, by oneDNN's inner-product backward
+        assert model_mod.ONEDNN_WEIGHT_GRADS_RUN[0] - wgrads_before == len(widths)
         assert len(results[0]) == len(results[1])
         for want, got in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -50,6 +53,40 @@ def test_onednn_products_equal_mkl_products(cpu_gemm, bias, need_x):
     before = model_mod.ONEDNN_PRODUCTS_RUN[0]
     model_mod.linear_sum(None, [(torch.randn(5, 16), torch.randn(8, 16))])
     assert model_mod.ONEDNN_PRODUCTS_RUN[0] == before
+
+
+@pytest.mark.parametrize("weights_grad,bias_grad", [(True, True), (True, False),
+                                                     (False, True), (False, False)])
+def test_onednn_weight_and_bias_gradients_where_asked(cpu_gemm, weights_grad, bias_grad):
+    """_LinearSumDnn's backward computes exactly the gradients autograd asks for: the
+    weights' by oneDNN's inner-product backward (counted), the bias's with the first of them
+    or, with frozen weights, as the gradient's column sums; equal to torch's mm route."""
+    cpu_gemm("onednn")
+    g = torch.Generator().manual_seed(5)
+    rows, widths, out = 70, [12, 9], 16
+    xs = [torch.randn(rows, k, generator=g) for k in widths]
+    ws = [torch.randn(out, k, generator=g) for k in widths]
+    b = torch.randn(out, generator=g)
+    grad = torch.randn(rows, out, generator=g)
+    got = {}
+    for route in ("mm", "onednn"):
+        leaves = ([x.clone().requires_grad_() for x in xs]
+                  + [w.clone().requires_grad_(weights_grad) for w in ws])
+        bb = b.clone().requires_grad_(bias_grad)
+        terms = list(zip(leaves[:2], leaves[2:]))
+        before = model_mod.ONEDNN_WEIGHT_GRADS_RUN[0]
+        y = (model_mod._LinearSum.apply(bb, *[t for term in terms for t in term])
+             if route == "mm" else model_mod.linear_sum(bb, terms))
+        y.backward(grad)
+        ran = model_mod.ONEDNN_WEIGHT_GRADS_RUN[0] - before
+        assert ran == (len(widths) if route == "onednn" and weights_grad else 0)
+        got[route] = [y.detach()] + [t.grad for t in [*leaves, bb]]
+        assert [t is None for t in got[route][3:]] == [not weights_grad] * 2 + [not bias_grad]
+    for want, have in zip(got["mm"], got["onednn"]):
+        if want is None:
+            assert have is None
+        else:
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("vendor,flags,want", [

@@ -120,7 +120,8 @@ def test_bfloat16_matmuls_train_to_the_same_bar(cora_dir, tmp_path, model, bar):
 def test_cpu_gemm_libraries_train_to_the_same_bar(cora_dir, tmp_path, library):
     """``--cpu-gemm mkl`` / ``onednn`` (oneDNN's float32 kernels for the model's products,
     auto's choice on an AMD CPU with AVX-512) on any CPU: each trainer applies it, its
-    summary says which library multiplied and how many products went to oneDNN, and Cora
+    summary says which library multiplied and how many products and weight gradients went
+    to oneDNN, and Cora
     reaches the seed DGL pipeline's bar either way."""
     parts = tmp_path / "cora-parts"
     run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 1, "--out", parts],
@@ -132,6 +133,7 @@ def test_cpu_gemm_libraries_train_to_the_same_bar(cora_dir, tmp_path, library):
     gemm = summary["cpu_gemm"]
     assert gemm["mode"] == library and gemm["library"] == library, gemm
     assert (gemm["onednn_products_run"] > 0) is (library == "onednn"), gemm
+    assert (gemm["onednn_weight_grads_run"] > 0) is (library == "onednn"), gemm
     assert summary["gemm_row_buckets"] is (library == "onednn")  # oneDNN's kernel per shape
     assert summary["test_acc"] >= 0.78, summary
     _assert_clean(tmp_path, str(parts))

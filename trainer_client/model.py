@@ -120,8 +120,11 @@ _BF16_GEMM: bool | None = None  # whether medium precision multiplies in bfloat1
 #: products on the CPU (:func:`float32_library`)
 _CPU_GEMM = "auto"
 _ONEDNN_AUTO: bool | None = None  # what "auto" chose on this CPU (cpu_gemm_auto)
-#: how many of this process's float32 model products went to oneDNN (_LinearSumDnn)
+#: how many of this process's float32 model products went to oneDNN (_LinearSumDnn's
+#: forward products)
 ONEDNN_PRODUCTS_RUN = [0]
+#: how many weight gradients _LinearSumDnn's backward computed through oneDNN
+ONEDNN_WEIGHT_GRADS_RUN = [0]
 _BF16_CAST: bool | None = None  # whether bfloat16 tensors multiply natively here (CPU flags)
 
 
@@ -244,7 +247,7 @@ def cpu_gemm_auto() -> bool:
     its AVX2 ones, while oneDNN picks by instruction set and runs AVX-512 kernels. On
     session 50's AMD EPYC (Zen 5, 2 cores) the seed model's product shapes ran at 1.3-2.2x
     MKL's rate through oneDNN (forward products and input gradients; the weight gradients,
-    whose operands come transposed, stay on MKL, which is as fast there). On Intel CPUs MKL
+    by oneDNN's inner-product backward, 1.1-2.3x). On Intel CPUs MKL
     already runs AVX-512. Decided from the CPU rather than by timing, so that every run on
     one machine multiplies the same way and repeats its losses to the bit."""
     global _ONEDNN_AUTO
@@ -273,7 +276,8 @@ def cpu_gemm_summary(device: torch.device) -> dict:
     library the float32 products went to (:func:`float32_library`), and how many of this
     process's products oneDNN computed."""
     return {"mode": _CPU_GEMM, "library": float32_library(device),
-            "onednn_products_run": ONEDNN_PRODUCTS_RUN[0]}
+            "onednn_products_run": ONEDNN_PRODUCTS_RUN[0],
+            "onednn_weight_grads_run": ONEDNN_WEIGHT_GRADS_RUN[0]}
 
 
 def _medium_rounds_to_bf16() -> bool:
@@ -398,6 +402,14 @@ def _linear_sum_backward(ctx, grad: Tensor, input_product) -> tuple:
     return tuple(got)
 
 
+def _dnn_weight_grad(grad_dnn: Tensor, x: Tensor, w: Tensor, with_bias: bool
+                     ) -> tuple[Tensor, Tensor]:
+    """oneDNN's inner-product backward for a weight (and the bias): ``(grad^T x, grad summed
+    over rows)``, ``grad_dnn`` in oneDNN's tensor type (``to_mkldnn``), ``x`` dense."""
+    return torch.ops.aten.mkldnn_linear_backward_weights(grad_dnn, x.to_mkldnn(), w,
+                                                          with_bias)
+
+
 def _dnn_mm(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ w.T (+ bias)`` by oneDNN (``torch.ops.mkldnn._linear_pointwise``, its matmul
     kernels for the CPU's widest vectors); ``x``, ``w``: float32 matrices."""
@@ -410,10 +422,15 @@ class _LinearSumDnn(torch.autograd.Function):
     (``W`` read in place as the transposed right operand) run through oneDNN. Each term
     after the first is its own product added in place: oneDNN's fused ``add`` post-op was
     slower than that on session 50's AMD EPYC (14.0 against 11.7 ms for two 25,500 x 100 x
-    256 terms; 31.2 against 20.9 at 50,000 rows). The weights' gradients ``(x^T grad)^T``
-    stay on torch's ``mm`` (MKL): oneDNN copies a transposed left operand first, which cost
-    what its faster kernel saved. Float32 products either way: the same function and
-    gradients up to the order of float32 sums."""
+    256 terms; 31.2 against 20.9 at 50,000 rows). The weights' gradients ``grad^T x`` (and
+    the bias's, with the first of them) come from oneDNN's inner-product backward
+    (``aten::mkldnn_linear_backward_weights``), given ``grad`` and each ``x`` copied into
+    oneDNN's tensor type. A product through ``_linear_pointwise`` would need ``grad^T`` or
+    ``x^T`` contiguous, and torch's transposing copy of a 25,600 x 256 gradient took 7-10 ms
+    (session 51, two terms, 2 threads): 25.3 against MKL's 21.8 ms. The inner-product
+    backward took 17.3 against 22.2 at 25,600 x 100 x 256, 4.5 against 10.4 at 4,352 x 256
+    x 256, copies included. Float32 products either way: the same function and gradients up
+    to the order of float32 sums."""
 
     @staticmethod
     def forward(ctx, bias: Tensor | None, *xw: Tensor) -> Tensor:
@@ -427,7 +444,28 @@ class _LinearSumDnn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _linear_sum_backward(ctx, grad, lambda g, w: _dnn_mm(g, w.t()))
+        xw, need = ctx.saved_tensors, ctx.needs_input_grad
+        grad = grad.contiguous()
+        got: list[Tensor | None] = [None]
+        # the weights' gradients grad^T x by oneDNN's inner-product backward (its operands
+        # in oneDNN's tensor type: one copy of grad for every term, one of each x)
+        grad_dnn = grad.to_mkldnn() if any(need[2::2]) else None
+        bias_grad = None
+        for i in range(0, len(xw), 2):
+            x, w = xw[i], xw[i + 1]
+            got.append(_dnn_mm(grad, w.t()) if need[1 + i] else None)
+            if not need[2 + i]:
+                got.append(None)
+                continue
+            with_bias = ctx.has_bias and need[0] and bias_grad is None
+            dw, db = _dnn_weight_grad(grad_dnn, x, w, with_bias)
+            got.append(dw)
+            if with_bias:
+                bias_grad = db
+        if ctx.has_bias and need[0]:
+            got[0] = bias_grad if bias_grad is not None else grad.sum(0)
+        ONEDNN_WEIGHT_GRADS_RUN[0] += sum(need[2::2])
+        return tuple(got)
 
 
 class _LinearSumNarrow(torch.autograd.Function):
