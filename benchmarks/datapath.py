@@ -608,23 +608,67 @@ def _measure_dgl(parts, s: Settings, r: int, results: dict, errors: dict, note,
             note(traceback.format_exc())
 
 
+def child_argv(parts: str | Path, s: Settings, out: str | Path) -> list[str]:
+    """``python -m benchmarks.datapath`` with every setting of ``s``, writing JSON to ``out``."""
+    def csv(v: list[int]) -> str:
+        return ",".join(map(str, v))
+
+    return [sys.executable, "-m", "benchmarks.datapath", "--parts", str(parts),
+            "--fanouts", csv(s.fanouts), "--batch-size", str(s.batch_size),
+            "--num-batches", str(s.num_batches), "--warmup", str(s.warmup),
+            "--servers", csv(s.servers), "--server-workers", str(s.server_workers),
+            "--sampler-procs", str(s.sampler_procs), "--inflight", str(s.inflight),
+            "--shm-ring" if s.shm_ring else "--no-shm-ring",
+            f"--dgl-workers={csv(s.dgl_workers)}",
+            "--shutdown-timeout-s", repr(s.shutdown_timeout_s),
+            "--datapath-cache-ratio", repr(s.cache_ratio), "--rounds", str(s.rounds),
+            "--seed", str(s.seed), "--num-threads", str(s.num_threads or 0),
+            "--malloc-retain-mb", str(s.malloc_retain_mb), "--out", str(out)]
+
+
+#: seconds ``run_step``'s child process may take (90 batches x 5 rows x 2 rounds take 2-4 min)
+CHILD_TIMEOUT_S = 3600.0
+
+
 def run_step(parts: Path, args) -> dict[str, dict]:
     """benchmarks.run's step: ``{name: figures}`` for ``datapath-mfgserve-{1,2}srv``,
     ``datapath-dgl-w{0,1}`` and ``datapath-ratios``. ``args`` fields used: fanouts,
     batch_size, max_batches (timed batches; default DEFAULT_BATCHES), seed, server_workers,
     inflight, shm_ring, num_threads; optional: dgl_workers (default 0,1), worker_sampler_procs
-    (default 0), datapath_servers (default 1,2), warmup (default 3). A measurement that
-    fails raises :class:`DataPathError` (after the others ran) naming every error; its
-    ``results`` attribute holds what did run."""
-    from benchmarks.report import logger
+    (default 0), datapath_servers (default 1,2), warmup (default 3), rounds (default 1).
 
-    results, errors = measure(parts, Settings.from_args(args), logger(STEP))
-    out = {**results, f"{STEP}-ratios": ratios(results)}
-    if errors:
-        err = DataPathError("; ".join(f"{k}: {v}" for k, v in errors.items()))
-        err.results = out  # type: ignore[attr-defined]  # what did run, for the caller
+    Measured in a fresh process (``python -m benchmarks.datapath``, its progress on this
+    stderr), as the module's own command measures: in benchmarks.run's process, after the
+    ``step`` module had trained both models there, DGL's in-process sampler (``num_workers``
+    0) read 20-61 % more seeds per CPU-second and took 43,000 page faults in 90 products
+    batches instead of 0.9-1.1 million, while the servers took 15-23 % more CPU a seed
+    (docs/benchmarks.md, "Issue 14, session 51"): what ran before in the process moved both
+    sides. A measurement that fails raises :class:`DataPathError` (after the others ran)
+    naming every error; its ``results`` attribute holds what did run."""
+    import subprocess
+    import tempfile
+
+    s = Settings.from_args(args)
+    with tempfile.TemporaryDirectory(prefix="mfgserve-datapath-") as tmp:
+        out = Path(tmp) / "datapath.json"
+        try:
+            proc = subprocess.run(child_argv(parts, s, out), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise DataPathError(f"python -m benchmarks.datapath ran past {CHILD_TIMEOUT_S:.0f} "
+                                "s and was killed") from None
+        if not out.exists():
+            raise DataPathError(f"python -m benchmarks.datapath exited {proc.returncode} "
+                                "without its JSON summary (its error is in the log above)")
+        summary = json.loads(out.read_text())
+    results, errors = summary["results"], summary["errors"]
+    res = {**results, f"{STEP}-ratios": summary["ratios"]}
+    if errors or proc.returncode != 0:
+        err = DataPathError("; ".join(f"{k}: {v}" for k, v in errors.items())
+                            or f"python -m benchmarks.datapath exited {proc.returncode}")
+        err.results = res  # type: ignore[attr-defined]  # what did run, for the caller
         raise err
-    return out
+    return res
 
 
 # ------------------------------------------------------------------ CLI

@@ -218,3 +218,33 @@ def test_process_cpu_s_reads_another_process_to_the_nanosecond():
         assert child.wait(timeout=30) == 0
     with pytest.raises(psutil.Error):
         process_cpu_s(proc)
+
+
+@pytest.mark.timeout(120)
+def test_run_step_measures_in_a_fresh_process(parts):
+    """benchmarks.run's datapath step runs ``python -m benchmarks.datapath`` with every
+    setting (the child's command line parses back to the same Settings) and returns its
+    rows and ratios; the rows measured there, in a process of their own."""
+    from benchmarks import datapath
+
+    ns = argparse.Namespace(fanouts=[5, 5], batch_size=256, seed=2, max_batches=4,
+                            server_workers=1, inflight=3, shm_ring=True, num_threads=None,
+                            dgl_workers=[0], datapath_servers=[1], warmup=1, rounds=1,
+                            datapath_cache_ratio=0.0)
+    s = datapath.Settings.from_args(ns)
+    argv = datapath.child_argv(parts, s, "out.json")
+    assert argv[1:3] == ["-m", "benchmarks.datapath"]
+    back = datapath.build_parser().parse_args(argv[3:])
+    assert datapath.Settings(
+        fanouts=back.fanouts, batch_size=back.batch_size, num_batches=back.num_batches,
+        warmup=back.warmup, servers=back.servers, server_workers=back.server_workers,
+        sampler_procs=back.sampler_procs, inflight=back.inflight, shm_ring=back.shm_ring,
+        dgl_workers=back.dgl_workers, seed=back.seed, num_threads=back.num_threads or None,
+        shutdown_timeout_s=back.shutdown_timeout_s, malloc_retain_mb=back.malloc_retain_mb,
+        cache_ratio=back.datapath_cache_ratio, rounds=back.rounds) == s
+    got = datapath.run_step(parts, ns)
+    assert set(got) == {"datapath-mfgserve-1srv", "datapath-dgl-w0", "datapath-ratios"}
+    ours = got["datapath-mfgserve-1srv"]
+    assert ours["batches"] == 4 and ours["server_workers"] == 1 and ours["clean_exit"]
+    assert ours["inflight"] == 3
+    _positive(got["datapath-ratios"], "per_core_1srv")
