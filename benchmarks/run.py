@@ -24,7 +24,8 @@ Measurements per family, in this order (each can be skipped with ``--skip``):
   DistributedDataParallel processes over gloo (each half the seeds and half the batch) vs
   worker mode with as many trainers (each half the batch): the same total batch;
 * ``step`` (each dropout), ``datapath``, ``limits``: ``benchmarks.<name>.run_step(parts,
-  args)``, their figures as they return them;
+  args)``, their figures as they return them (``datapath`` measures in a child process of
+  its own, ``python -m benchmarks.datapath``);
 
 and once per run ``wire`` (the codec against raw zmq frames, no graph), ``hetero`` (a
 mag-shaped typed graph, :mod:`benchmarks.hetero`) and ``multilabel`` (an ogbn-proteins-shaped
