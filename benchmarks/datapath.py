@@ -85,19 +85,26 @@ class DataPathError(RuntimeError):
 
 
 # ------------------------------------------------------------------ CPU accounting
+def _families(procs: list[psutil.Process], descendants: bool = True
+              ) -> list[psutil.Process]:
+    """``procs`` and (with ``descendants``) their descendants; a process gone is left out."""
+    out: list[psutil.Process] = []
+    for p in procs:
+        try:
+            out += [p, *(p.children(recursive=True) if descendants else ())]
+        except psutil.Error:
+            continue
+    return out
+
+
 def _cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:
     """user + system CPU seconds of each process (and its descendants), by pid."""
     out: dict[int, float] = {}
-    for p in procs:
+    for q in _families(procs):
         try:
-            family = [p, *p.children(recursive=True)]
+            out[q.pid] = process_cpu_s(q)
         except psutil.Error:
-            continue
-        for q in family:
-            try:
-                out[q.pid] = process_cpu_s(q)
-            except psutil.Error:
-                pass
+            pass
     return out
 
 
@@ -111,18 +118,13 @@ def _faults(procs: list[psutil.Process], descendants: bool = True
     """(minor, major) page faults of each process (and its descendants) so far, by pid,
     from ``/proc/<pid>/stat``; empty where that is not readable (not Linux)."""
     out: dict[int, tuple[int, int]] = {}
-    for p in procs:
+    for q in _families(procs, descendants):
         try:
-            family = [p, *(p.children(recursive=True) if descendants else ())]
-        except psutil.Error:
-            continue
-        for q in family:
-            try:
-                with open(f"/proc/{q.pid}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
-                out[q.pid] = (int(fields[7]), int(fields[9]))  # minflt, majflt
-            except (OSError, IndexError, ValueError):
-                pass
+            with open(f"/proc/{q.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
+            out[q.pid] = (int(fields[7]), int(fields[9]))  # minflt, majflt
+        except (OSError, IndexError, ValueError):
+            pass
     return out
 
 
@@ -472,6 +474,21 @@ class Settings:
             rounds=int(g(args, "rounds", 1) or 1))
 
 
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> Settings:
+        """From this module's own command line (:func:`build_parser`; :func:`child_argv`
+        writes one)."""
+        return cls(fanouts=args.fanouts, batch_size=args.batch_size,
+                   num_batches=args.num_batches, warmup=args.warmup, servers=args.servers,
+                   server_workers=args.server_workers, sampler_procs=args.sampler_procs,
+                   inflight=args.inflight, shm_ring=args.shm_ring,
+                   dgl_workers=args.dgl_workers, seed=args.seed,
+                   num_threads=args.num_threads or None,
+                   shutdown_timeout_s=args.shutdown_timeout_s,
+                   malloc_retain_mb=args.malloc_retain_mb,
+                   cache_ratio=args.datapath_cache_ratio, rounds=args.rounds)
+
+
 def _best(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key)]
     return max(vals) if vals else None
@@ -641,9 +658,9 @@ def run_step(parts: Path, args) -> dict[str, dict]:
     stderr), as the module's own command measures: in benchmarks.run's process, after the
     ``step`` module had trained both models there, DGL's in-process sampler (``num_workers``
     0) read 20-61 % more seeds per CPU-second and took 43,000 page faults in 90 products
-    batches instead of 0.9-1.1 million, while the servers took 15-23 % more CPU a seed
-    (docs/benchmarks.md, "Issue 14, session 51"): what ran before in the process moved both
-    sides. A measurement that fails raises :class:`DataPathError` (after the others ran)
+    batches instead of 0.65-1.13 million: glibc's heap, grown by the training, served its
+    tensors (docs/benchmarks.md, "Issue 14, session 51"); a loader without a model, what
+    this row stands for, has no such heap. A measurement that fails raises :class:`DataPathError` (after the others ran)
     naming every error; its ``results`` attribute holds what did run."""
     import subprocess
     import tempfile
@@ -770,14 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.report import logger
 
     apply_malloc(args.malloc_retain_mb)
-    s = Settings(fanouts=args.fanouts, batch_size=args.batch_size,
-                 num_batches=args.num_batches, warmup=args.warmup, servers=args.servers,
-                 server_workers=args.server_workers, sampler_procs=args.sampler_procs,
-                 inflight=args.inflight, shm_ring=args.shm_ring, dgl_workers=args.dgl_workers,
-                 seed=args.seed, num_threads=args.num_threads or None,
-                 shutdown_timeout_s=args.shutdown_timeout_s,
-                 malloc_retain_mb=args.malloc_retain_mb, cache_ratio=args.datapath_cache_ratio,
-                 rounds=args.rounds)
+    s = Settings.from_cli(args)
     results, errors = measure(args.parts, s, logger(STEP))
     summary = {"config": {**dataclasses.asdict(s), "parts": str(args.parts),
                           "cores": os.cpu_count()},

@@ -234,14 +234,7 @@ def test_run_step_measures_in_a_fresh_process(parts):
     s = datapath.Settings.from_args(ns)
     argv = datapath.child_argv(parts, s, "out.json")
     assert argv[1:3] == ["-m", "benchmarks.datapath"]
-    back = datapath.build_parser().parse_args(argv[3:])
-    assert datapath.Settings(
-        fanouts=back.fanouts, batch_size=back.batch_size, num_batches=back.num_batches,
-        warmup=back.warmup, servers=back.servers, server_workers=back.server_workers,
-        sampler_procs=back.sampler_procs, inflight=back.inflight, shm_ring=back.shm_ring,
-        dgl_workers=back.dgl_workers, seed=back.seed, num_threads=back.num_threads or None,
-        shutdown_timeout_s=back.shutdown_timeout_s, malloc_retain_mb=back.malloc_retain_mb,
-        cache_ratio=back.datapath_cache_ratio, rounds=back.rounds) == s
+    assert datapath.Settings.from_cli(datapath.build_parser().parse_args(argv[3:])) == s
     got = datapath.run_step(parts, ns)
     assert set(got) == {"datapath-mfgserve-1srv", "datapath-dgl-w0", "datapath-ratios"}
     ours = got["datapath-mfgserve-1srv"]
