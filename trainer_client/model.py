@@ -386,20 +386,15 @@ class _LinearSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _linear_sum_backward(ctx, grad, torch.mm)
-
-
-def _linear_sum_backward(ctx, grad: Tensor, input_product) -> tuple:
-    """:class:`_LinearSum`'s and :class:`_LinearSumDnn`'s backward: the bias's gradient,
-    then per term ``input_product(grad, W)`` (``grad W``) and the weight's ``(x^T grad)^T``."""
-    xw, need = ctx.saved_tensors, ctx.needs_input_grad
-    grad = grad.contiguous()
-    got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
-    for i in range(0, len(xw), 2):
-        x, w = xw[i], xw[i + 1]
-        got.append(input_product(grad, w) if need[1 + i] else None)
-        got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
-    return tuple(got)
+        """The bias's gradient, then per term ``grad W`` and the weight's ``(x^T grad)^T``."""
+        xw, need = ctx.saved_tensors, ctx.needs_input_grad
+        grad = grad.contiguous()
+        got: list[Tensor | None] = [grad.sum(0) if ctx.has_bias and need[0] else None]
+        for i in range(0, len(xw), 2):
+            x, w = xw[i], xw[i + 1]
+            got.append(grad.mm(w) if need[1 + i] else None)
+            got.append(x.t().mm(grad).t().contiguous() if need[2 + i] else None)
+        return tuple(got)
 
 
 def _dnn_weight_grad(grad_dnn: Tensor, x: Tensor, w: Tensor, with_bias: bool
