@@ -110,20 +110,50 @@ def steal_share(before, after) -> float | None:
     return round(spent["steal"] / total, 4) if total > 0 else None
 
 
+# the instruction sets that decide which library multiplies the step's products (MKL or
+# oneDNN: trainer_client/model.py's float32_library) and whether bfloat16 has hardware
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_identity(text: str | None = None) -> dict:
+    """The first CPU of Linux's ``/proc/cpuinfo`` (or of ``text`` in its format): ``cpu``
+    (model name), ``cpu_vendor``, ``cpu_family`` and ``cpu_model_number`` (ints; None where
+    absent) and ``cpu_flags``, those of :data:`CPU_FLAGS` it has. A VM's model name is often
+    only "AMD EPYC", while family 23 (Zen 1-2, AVX2) and 26 (Zen 5, AVX-512) run the step at
+    twice different rates (docs/benchmarks.md, sessions 51-52)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block only
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+
+    def number(key: str) -> int | None:
+        try:
+            return int(fields[key])
+        except (KeyError, ValueError):
+            return None
+
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", ""), "cpu_vendor": fields.get("vendor_id", ""),
+            "cpu_family": number("cpu family"), "cpu_model_number": number("model"),
+            "cpu_flags": [f for f in CPU_FLAGS if f in flags]}
+
+
 def machine_info() -> dict:
     import numpy as np
     import torch
 
     from common.dgl_compat import import_dgl
 
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                                 capture_output=True, timeout=10).stdout.strip()
@@ -134,7 +164,7 @@ def machine_info() -> dict:
     return {
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu": cpu_model,
+        **cpu_identity(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),

@@ -75,6 +75,7 @@ def test_every_row_records_the_load_and_the_cpu_time_other_guests_took(summary):
     """Each measurement keeps the evidence of what else ran: the load average and the share
     of the machine's CPU time stolen by its hypervisor (a share, not a ratio of the sides)."""
     assert 0.0 <= summary["machine"]["cpu_steal_share"] <= 1.0
+    assert isinstance(summary["machine"]["cpu_flags"], list) and "cpu_family" in summary["machine"]
     for name, row in summary["results"]["products"].items():
         assert len(row["loadavg_1m"]) == 2, name
         assert 0.0 <= row["cpu_steal_share"] <= 1.0, name
@@ -94,6 +95,23 @@ def test_steal_share_is_steal_over_all_cpu_time_between_two_readings():
     assert steal_share(before, after) == round(100 / 750, 4)
     assert steal_share(before, before) is None  # no time between them
     assert steal_share(None, after) is None and steal_share(before, None) is None
+
+
+def test_cpu_identity_names_family_model_and_the_gemm_flags():
+    """A VM's model name may be only "AMD EPYC": the summary also keeps the first CPU's
+    vendor, family, model and the instruction sets the products' library depends on."""
+    from benchmarks.report import cpu_identity
+
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2 sha_ni\n\n"
+            "processor\t: 1\nvendor_id\t: Other\ncpu family\t: 26\nflags\t\t: avx512f\n")
+    assert cpu_identity(text) == {"cpu": "AMD EPYC", "cpu_vendor": "AuthenticAMD",
+                                  "cpu_family": 23, "cpu_model_number": 1,
+                                  "cpu_flags": ["avx2", "fma"]}
+    assert cpu_identity("") == {"cpu": "", "cpu_vendor": "", "cpu_family": None,
+                                "cpu_model_number": None, "cpu_flags": []}
+    here = cpu_identity()
+    assert set(here["cpu_flags"]) <= {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
