@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from common.cpuinfo import first_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -121,20 +123,7 @@ def cpu_identity(text: str | None = None) -> dict:
     absent) and ``cpu_flags``, those of :data:`CPU_FLAGS` it has. A VM's model name is often
     only "AMD EPYC", while family 23 (Zen 1-2, AVX2) and 26 (Zen 5, AVX-512) run the step at
     twice different rates (docs/benchmarks.md, sessions 51-52)."""
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            text = ""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the first processor's block only
-            continue
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())
+    fields = first_cpu(text)
 
     def number(key: str) -> int | None:
         try:

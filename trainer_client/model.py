@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.config import check_cpu_gemm
+from common.cpuinfo import first_cpu
 from common.mfg import Block
 
 
@@ -214,18 +215,8 @@ def cpu_multiplies_bf16() -> bool:
 @functools.cache
 def _cpu_info() -> tuple[str, frozenset[str]]:
     """(vendor_id, flags) of the first CPU in Linux's /proc/cpuinfo; ("", {}) without it."""
-    vendor, flags = "", frozenset()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id") and not vendor:
-                    vendor = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = frozenset(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return vendor, flags
+    cpu = first_cpu()
+    return cpu.get("vendor_id", ""), frozenset(cpu.get("flags", "").split())
 
 
 def set_cpu_gemm(mode: str) -> None:
