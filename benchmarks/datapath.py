@@ -473,7 +473,6 @@ class Settings:
             cache_ratio=float(g(args, "datapath_cache_ratio", 0.0) or 0.0),
             rounds=int(g(args, "rounds", 1) or 1))
 
-
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> Settings:
         """From this module's own command line (:func:`build_parser`; :func:`child_argv`
@@ -660,8 +659,9 @@ def run_step(parts: Path, args) -> dict[str, dict]:
     0) read 20-61 % more seeds per CPU-second and took 43,000 page faults in 90 products
     batches instead of 0.65-1.13 million: glibc's heap, grown by the training, served its
     tensors (docs/benchmarks.md, "Issue 14, session 51"); a loader without a model, what
-    this row stands for, has no such heap. A measurement that fails raises :class:`DataPathError` (after the others ran)
-    naming every error; its ``results`` attribute holds what did run."""
+    this row stands for, has no such heap. A measurement that fails raises
+    :class:`DataPathError` (after the others ran) naming every error; its ``results``
+    attribute holds what did run."""
     import subprocess
     import tempfile
 
