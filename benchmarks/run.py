@@ -216,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp-procs", type=_positive_int, default=2,
                    help="ddp step: DGL DDP processes and worker-mode trainers, each with "
                         "--batch-size / this many seeds per batch (default 2)")
+    p.add_argument("--local-features", choices=["auto", "on", "off"], default="auto",
+                   help="worker-mode's --local-features: its CPU trainer reads the input "
+                        "features from the one part's memory-mapped feature file instead of "
+                        "the servers gathering them into the ring (default auto: where it "
+                        "applies; off: the servers' gather, as before session 53)")
     p.add_argument("--cpu-gemm", choices=list(CPU_GEMMS), default="auto",
                    help="mfgserve's --cpu-gemm: the library of its model's float32 products "
                         "on the CPU (worker mode, and mfgserve's side of the step module): "
@@ -374,7 +379,8 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
             "--shm-ring" if args.shm_ring else "--no-shm-ring",
             "--malloc-retain-mb", str(args.malloc_retain_mb),
             "--server-malloc-retain-mb", str(args.malloc_retain_mb),
-            "--matmul-precision", precision, "--cpu-gemm", args.cpu_gemm]
+            "--matmul-precision", precision, "--cpu-gemm", args.cpu_gemm,
+            "--local-features", args.local_features]
     if args.num_threads:
         argv += ["--num-threads", str(args.num_threads)]
     if args.cache_ratio:

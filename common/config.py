@@ -246,6 +246,16 @@ class TrainerConfig:
     feat_transfer: str = opt(
         "", "dtype features travel in: float16 or bfloat16 halve the bytes on the wire (the "
         "model still computes in float32); empty sends them as stored")
+    local_features: str = opt(
+        "auto", "read each batch's input features from the partition files on this host "
+        "(--parts-on-host) instead of the servers gathering them into the reply: 'auto' does "
+        "so for a CPU trainer of a one-part homogeneous float32 set with a GraphSAGE model, no "
+        "--cache-ratio and no --feat-transfer (the summary's local_features says whether and "
+        "why not); 'on' insists (an error names what is missing); 'off' keeps the servers' "
+        "gather (trainer_client/local_features.py)", choices=["auto", "on", "off"])
+    parts_on_host: str = opt(
+        "", "the partition set the servers serve, where this trainer can read it (same host); "
+        "worker mode sets it; --local-features reads its features")
     request_timeout_s: float = opt(
         60.0, "seconds to wait for a server's reply before failing with an error"
     )
@@ -462,7 +472,7 @@ class WorkerModeConfig:
     trainer: TrainerConfig = field(
         default_factory=TrainerConfig,
         metadata={"help": "trainer options", "flatten": True,
-                  "skip": ("cluster", "summary_out", "curve_secret_key")}
+                  "skip": ("cluster", "summary_out", "curve_secret_key", "parts_on_host")}
     )
     server: ServerConfig = field(
         default_factory=ServerConfig,

@@ -21,6 +21,55 @@ from common.sampled_mfg import FEAT_FRAMES, SampledMFG
 NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
 
 
+class SourceRows:
+    """Input features not gathered yet: source node i's row is ``matrix[ids[i]]``.
+
+    A CPU trainer on the host that holds the partition files reads them from the feature
+    matrix's memory map (``--local-features``, trainer_client/local_features.py) instead of a
+    copy the server gathered for it. :class:`~trainer_client.model.SAGEConv` reads these rows
+    inside its mean (one pass over the matrix, no ``[num_src, dim]`` copy); anything else
+    takes :meth:`gather`'s copy, the same rows a server would have sent."""
+
+    def __init__(self, matrix: Tensor, ids: Tensor):
+        self.matrix, self.ids = matrix, ids
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.ids.numel(), self.matrix.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.matrix.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.matrix.device
+
+    requires_grad = False
+
+    def dim(self) -> int:
+        return 2
+
+    def gather(self, n: int | None = None) -> Tensor:
+        """The first ``n`` (default all) sources' rows as one tensor."""
+        ids = self.ids if n is None else self.ids[:n]
+        return self.matrix.index_select(0, ids)
+
+    def float(self) -> SourceRows | Tensor:
+        return self if self.matrix.dtype == torch.float32 else self.gather().float()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SourceRows | Tensor:
+        if torch.device(device) == self.matrix.device:
+            return self
+        return self.gather().to(device, non_blocking=non_blocking)
+
+    def pin_memory(self) -> Tensor:
+        return self.gather().pin_memory()
+
+    def __repr__(self) -> str:
+        return f"SourceRows({self.ids.numel()} of {tuple(self.matrix.shape)})"
+
+
 def count_index(index: Tensor, n: int) -> Tensor:
     """How often each of ``0..n-1`` occurs in ``index`` (int64). ``torch.bincount`` on CUDA
     reads the maximum back to the host (the host waits for the device); a scatter-add there
@@ -158,6 +207,8 @@ class Block:
         for frame, data, n in ((blk.srcdata, self.srcdata, self._num_src),
                                (blk.dstdata, self.dstdata, self._num_dst)):
             for k, v in data.items():
+                if isinstance(v, SourceRows):
+                    v = v.gather()
                 if v.dim() > 0 and v.shape[0] == n:
                     frame[k] = v
         return blk

@@ -172,12 +172,14 @@ def child_env(role: str, clients: int = 1, threads: int = 1) -> dict[str, str]:
 
 
 def _trainer_argv(cfg: WorkerModeConfig, cluster_file: Path, rank: int, port: int,
-                  summary_file: Path, done_file: Path) -> list[str]:
+                  summary_file: Path, done_file: Path, parts: str = "") -> list[str]:
     """The ``trainer-client`` command line of ``rank``: every trainer option of ``cfg``
-    (through :func:`common.config.to_argv`), rank 0 alone with progress bars and the summary."""
+    (through :func:`common.config.to_argv`), rank 0 alone with progress bars and the summary;
+    ``parts``, the set the servers serve, is on this host (``--parts-on-host``)."""
     t = cfg.trainer
     t = dataclasses.replace(
         t, cluster=str(cluster_file), progress=t.progress and rank == 0,
+        parts_on_host=str(Path(parts).resolve()) if parts else "",
         num_threads=trainer_threads(cfg),
         summary_out=str(summary_file) if rank == 0 else "")
     ddp = DDPConfig(rank=rank, world_size=cfg.num_trainers, local_rank=rank,
@@ -322,7 +324,8 @@ def run(cfg: WorkerModeConfig) -> dict:
         done = [sock_dir / f"rank{r}.done" for r in range(cfg.num_trainers)]
         env = child_env("client", cfg.num_trainers, trainer_threads(cfg))
         trainers = [(group.spawn(f"trainer rank {r}", _trainer_argv(
-                        cfg, cluster_file, r, port, summary_file, done[r]), env=env), done[r])
+                        cfg, cluster_file, r, port, summary_file, done[r], parts), env=env),
+                     done[r])
                     for r in range(cfg.num_trainers)]
         wait_trainers(group, trainers)
         inference = (infer_stage(cfg, group, cluster_file, parts, servers, sock_dir)

@@ -1,6 +1,7 @@
 """A DGL-DataLoader-like iterator over mini-batches sampled by the servers.
 
-Each iteration yields ``(input_nodes, output_nodes, mfg)`` with ``mfg[0].srcdata["feat"]``
+Each iteration yields ``(input_nodes, output_nodes, mfg)`` with ``mfg[0].srcdata["feat"]`` (a tensor, or
+:class:`~common.mfg.SourceRows` with ``local_features``)
 and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
 ``NeighborSampler``. Guarantees:
 
@@ -52,7 +53,7 @@ from torch import Tensor
 
 from common.config import PREFETCH_MODES
 from common.messages import MFGReply, RelFanouts, SampleRequest, derive_seed
-from common.mfg import MFG, HeteroMFG, mfg_tensors, to_device
+from common.mfg import MFG, HeteroMFG, SourceRows, mfg_tensors, to_device
 from common.rpc import expect
 from common.sampled_mfg import FEAT_RING
 from common.shm_ring import ShmRing
@@ -167,7 +168,8 @@ class DistNodeDataLoader:
                  deterministic: bool = True, batch_locality: str = "global",
                  hetero: bool = False, rel_fanouts: list[list[int]] | None = None,
                  seed_ntype: str | None = None, prefetch: str = "overlap",
-                 alternate_if_local: bool = False, turns: CoreTurns | None = None):
+                 alternate_if_local: bool = False, turns: CoreTurns | None = None,
+                 local_features: Tensor | None = None):
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
         self.pool = pool
@@ -192,6 +194,12 @@ class DistNodeDataLoader:
         self.cache = cache
         self.cache_ratio = cache_ratio if cache is not None else 0.0
         self.ring = ring
+        # --local-features: the set's feature matrix on this host; the servers gather no rows
+        # and each MFG's input features are SourceRows of it (trainer_client/local_features.py)
+        self.local_features = local_features
+        if local_features is not None and (hetero or cache is not None or feat_transfer):
+            raise ValueError("local_features reads a homogeneous set's stored rows: not with "
+                             "hetero, a feature cache or feat_transfer")
         self.hetero, self.seed_ntype = hetero, seed_ntype
         self.rel_fanouts = RelFanouts.table(rel_fanouts) if rel_fanouts else []
         if rel_fanouts and len(rel_fanouts) != len(self.fanouts):
@@ -236,10 +244,12 @@ class DistNodeDataLoader:
 
     def alternating(self) -> bool:
         """Whether requests go out in whole windows, taking turns with compute (see
-        ``prefetch``); under "auto" it turns on with the first reply in the ring."""
+        ``prefetch``); under "auto" it turns on with the first reply in the ring, or from
+        the start with ``local_features`` (the servers' set is on this host)."""
         if self.prefetch != "auto":
             return self.prefetch == "alternate"
-        return self.alternate_if_local and self.stats.ring_hits > 0
+        return self.alternate_if_local and (self.stats.ring_hits > 0
+                                            or self.local_features is not None)
 
     def _take(self, req: _InFlight) -> MFGReply:
         """``req``'s reply, waiting for it (timed as ``wait_s``) unless already taken."""
@@ -252,7 +262,8 @@ class DistNodeDataLoader:
         return req.reply
 
     def _submit(self, index: int, batch: Tensor) -> _InFlight:
-        req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=True,
+        local = self.local_features is not None
+        req = SampleRequest(seeds=batch, fanouts=self.fanouts, with_feat=not local,
                             with_label=self.with_label, feat_dtype=self.feat_transfer,
                             cache_ratio=self.cache_ratio, sample_seed=self.sample_seed(index),
                             max_reply_bytes=self.pool.max_message_bytes,
@@ -261,8 +272,8 @@ class DistNodeDataLoader:
 
         def offer(endpoint: str, msg: SampleRequest) -> SampleRequest:
             """The request with a ring slot, if its server can use the ring and one is free."""
-            if self.ring is None or endpoint in self.no_ring:
-                return msg
+            if self.ring is None or endpoint in self.no_ring or local:
+                return msg  # (no features, nothing for a slot to hold)
             slot = self.ring.acquire()
             if slot is None:
                 self.stats.ring_misses += 1
@@ -349,6 +360,10 @@ class DistNodeDataLoader:
             # the cache's assembly (a GPU cache's copies and gathers) on the copy stream too
             with torch.cuda.stream(self.copy_stream):
                 feats = self._features(reply, slot, handle)
+        elif self.local_features is not None:
+            if slot is not None:
+                self.ring.release(slot)  # type: ignore[union-attr]
+            feats = [SourceRows(self.local_features, reply.mfg.only.ids)]
         else:
             feats = self._features(reply, slot, handle)
         if self.hetero:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from common.config import check_cpu_gemm
 from common.cpuinfo import first_cpu
-from common.mfg import Block
+from common.mfg import Block, SourceRows
 
 
 class _MeanAggregate(torch.autograd.Function):
@@ -323,6 +323,23 @@ def mean_and_self(block: Block, h_src: Tensor, rows: int | None = None,
         return _MeanAggregate.apply(h_src, block, True, rows)
     keep, scale = _keep_mask(h_src.shape, relu_dropout) if relu_dropout > 0 else (None, 1.0)
     agg, dst, _ = _MeanAggregate.apply(h_src, block, True, rows, True, keep, scale)
+    return agg, dst
+
+
+def mean_and_self_rows(block: Block, src: SourceRows, rows: int) -> tuple[Tensor, Tensor]:
+    """:func:`mean_and_self` of rows not gathered yet (an input layer's, which need no
+    gradient): the mean reads each edge's source row straight from ``src.matrix`` (one
+    weighted ``embedding_bag`` over the block's CSC mapped to matrix rows), and only the
+    destinations' rows are copied, for the self term. The same sums in the same order as
+    ``mean_and_self(block, src.gather(), rows)``."""
+    num_dst = block.num_dst_nodes()
+    dst = _leading_rows(src.gather(min(rows, src.shape[0])), num_dst, rows)
+    if block.num_edges() == 0:
+        return dst.new_zeros((rows, dst.shape[1])), dst
+    idx, off, w = block.mean_bags(src.dtype)
+    agg = F.embedding_bag(src.ids.index_select(0, idx), src.matrix,
+                          _pad_offsets(off, rows - num_dst), mode="sum",
+                          per_sample_weights=w, include_last_offset=True)
     return agg, dst
 
 
@@ -653,9 +670,19 @@ class SAGEConv(nn.Module):
         gradients are zeros: the layer above pads its gradient with empty bags and the
         model's output is sliced to the seeds, see :meth:`GraphSAGE.forward`).
         ``relu_dropout``: the previous layer's activation, applied to ``h_src`` (in place)
-        first: ReLU, then training-mode dropout with that probability (0: none)."""
+        first: ReLU, then training-mode dropout with that probability (0: none).
+        ``h_src`` may be :class:`~common.mfg.SourceRows` (an input layer's rows read from the
+        partition's feature matrix): the mean then reads them in place
+        (:func:`mean_and_self_rows`)."""
         num_dst = block.num_dst_nodes()
         rows = gemm_rows(num_dst, h_src.device)
+        if isinstance(h_src, SourceRows):
+            if relu_dropout is None and not project_first(block, self.in_feats,
+                                                          self.out_feats):
+                h_neigh, h_dst = mean_and_self_rows(block, h_src, rows)
+                return linear_sum(self.fc_self.bias, [(h_dst, self.fc_self.weight),
+                                                      (h_neigh, self.fc_neigh.weight)])
+            h_src = h_src.gather()
         if project_first(block, self.in_feats, self.out_feats):
             if relu_dropout is not None:
                 h_src = relu_dropout_(h_src, relu_dropout)
@@ -809,6 +836,8 @@ class GraphSAGE(LayerwiseGNN):
     """Layers of mean-SAGEConv with ReLU and dropout between them (the seed tutorial's model)."""
 
     inplace_relu = True
+    #: forward's ``x`` may be :class:`~common.mfg.SourceRows` (SAGEConv reads them in its mean)
+    takes_source_rows = True
 
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int,
                  dropout: float = 0.5):

@@ -51,7 +51,7 @@ from common.errors import ConfigError, MfgServeError
 from common.jsonout import dumps_strict
 from common.logs import bars_allowed
 from common.messages import FEAT_TRANSFER_DTYPES
-from common.mfg import HeteroMFG
+from common.mfg import HeteroMFG, SourceRows
 from common.shm_ring import ShmRing, max_input_rows
 from common.sockets import CurveKeys
 from trainer_client.checkpoint import FORMAT as CHECKPOINT_FORMAT
@@ -70,6 +70,7 @@ from trainer_client.core_turns import CoreTurns
 from trainer_client.feature_cache import FeatureCache
 from trainer_client.inference import full_graph_eval
 from trainer_client.loader import DistNodeDataLoader, hidden_share
+from trainer_client.local_features import LocalFeatures, open_local_features
 from trainer_client.metrics import (
     Task,
     check_shared_score,
@@ -350,6 +351,7 @@ class Run:
     show: bool = False
     task: Task = field(default_factory=Task)  # the set's task: loss and metric (metrics.py)
     profiler: StepProfiler | None = None  # --profile-steps, rank 0 (profiling.py)
+    local: LocalFeatures | None = None  # --local-features as decided (local_features.py)
 
     @property
     def metric(self) -> str:
@@ -398,7 +400,11 @@ def _inputs(run: Run, mfg) -> Tensor:
     """The first layer's input rows: features, then the learnable node embedding if any."""
     if isinstance(mfg, HeteroMFG):  # typed batches (rsage): a dict of inputs per node type
         return typed_inputs(mfg, run.emb, run.info)  # type: ignore[return-value]
-    x = mfg[0].srcdata["feat"].float()
+    x = mfg[0].srcdata["feat"]
+    if isinstance(x, SourceRows) and not (run.emb is None
+                                          and getattr(run.model, "takes_source_rows", False)):
+        x = x.gather()  # (a model that does not read SourceRows in place)
+    x = x.float()
     if run.emb is None:
         return x
     return torch.cat([x, run.emb.lookup(mfg.input_nodes, device=x.device)], dim=1)
@@ -766,21 +772,34 @@ def threads_cover_cores(device: torch.device) -> bool:
     return device.type == "cpu" and threads > 1 and threads >= cores
 
 
+def decide_local_features(cfg: TrainerConfig, info, device: torch.device) -> LocalFeatures:
+    """``--local-features`` for this run (trainer_client/local_features.py)."""
+    name = model_name(cfg, info)
+    reads = name == "sage" and cfg.node_emb_dim == 0  # GraphSAGE reads SourceRows in place
+    return open_local_features(cfg.local_features, cfg.parts_on_host, info, device,
+                               cache_ratio=cfg.cache_ratio, feat_transfer=cfg.feat_transfer,
+                               hetero=name in HETERO_MODEL_NAMES, model_reads_rows=reads)
+
+
 def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, cache,
-                  ring, splits: dict) -> tuple[DistNodeDataLoader, dict]:
+                  ring, splits: dict, local: LocalFeatures | None = None
+                  ) -> tuple[DistNodeDataLoader, dict]:
     """The training loader and the valid/test loaders (splits too small for every rank to get
     a seed are not evaluated)."""
     covered = threads_cover_cores(device)
     # --yield-cores: for a trainer that may take turns with servers on this host
+    # (servers on this host: the ring's, or the set's files read here)
+    on_host = ring is not None or (local is not None and local.used)
     alternates = covered and (cfg.prefetch == "alternate"
-                              or (cfg.prefetch == "auto" and ring is not None))
+                              or (cfg.prefetch == "auto" and on_host))
     turns = CoreTurns.start(cfg.yield_cores, alternates)
     # Deterministic sampling: the same MFGs in a resumed run as in an uninterrupted one.
     common = dict(rank=ddp.rank, world_size=ddp.world_size, seed=cfg.seed,
                   max_inflight=cfg.max_inflight, prefetch=cfg.prefetch,
                   alternate_if_local=covered, device=device,
                   feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
-                  ring=ring, deterministic=cfg.deterministic_sampling, turns=turns)
+                  ring=ring, deterministic=cfg.deterministic_sampling, turns=turns,
+                  local_features=local.matrix if local is not None else None)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
                                batch_size=cfg.batch_size, shuffle=True,
                                batch_locality=cfg.batch_locality,
@@ -808,7 +827,7 @@ def _make_embedding(cfg: TrainerConfig, pool: ServerPool, info, run_dir: str):
 
 
 def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info, plan: dict,
-               ring) -> Run:
+               ring, local: LocalFeatures | None = None) -> Run:
     check_typed_run(cfg, info)  # typed sets: model, options (trainer_client/typed.py)
     task = task_of(info)
     spec = _model_spec(cfg, info, task)
@@ -820,7 +839,7 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
     opt = build_optimizer(net.parameters(), cfg.lr, cfg.weight_decay)
     cache = _make_cache(cfg, pool, info, device)
     splits = {s: pool.seeds(s) for s in ("train", "valid", "test")}
-    train, evals = _make_loaders(cfg, ddp, device, pool, info, cache, ring, splits)
+    train, evals = _make_loaders(cfg, ddp, device, pool, info, cache, ring, splits, local)
     files = RunFiles(plan["run_dir"])
     return Run(cfg=cfg, ddp=ddp, device=device, info=info, pool=pool, spec=spec, model=model,
                net=net, opt=opt, sched=make_scheduler(opt, cfg), train_loader=train,
@@ -829,7 +848,8 @@ def _build_run(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, info
                emb=_make_embedding(cfg, pool, info, plan["run_dir"]),
                show=bars_allowed(cfg.progress, ddp.launcher_tty) and ddp.rank == 0, task=task,
                profiler=(StepProfiler(cfg.profile_steps, device, files.profile)
-                         if cfg.profile_steps > 0 and ddp.rank == 0 else None))
+                         if cfg.profile_steps > 0 and ddp.rank == 0 else None),
+               local=local)
 
 
 def _start(run: Run, plan: dict, ckpt: dict | None) -> FitState:
@@ -913,6 +933,7 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "server_to_server_bytes": int(remote_bytes),
         "failovers": pool.failovers,
         "cache": _cache_summary(run),
+        "local_features": run.local.summary() if run.local is not None else None,
         "device": str(device),
         "stages_s": stages,
         # the share of the host-to-device copy time hidden behind compute (CUDA; None on CPU)
@@ -991,8 +1012,10 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> 
         pool = make_pool(cfg)
         info = pool.info()
         plan, ckpt = _plan_run(cfg, ddp, device, info)
-        ring = make_ring(cfg, info, device)
-        run = _build_run(cfg, ddp, device, pool, info, plan, ring)
+        local = decide_local_features(cfg, info, device)
+        # no ring where the servers send no features
+        ring = None if local.used else make_ring(cfg, info, device)
+        run = _build_run(cfg, ddp, device, pool, info, plan, ring, local)
         fit = _fit(run, _start(run, plan, ckpt))
         del ckpt
         summary = _summarize(run, t_start, ring, fit, plan.get("checkpoint"))
