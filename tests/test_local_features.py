@@ -1,0 +1,205 @@
+"""``--local-features``: a CPU trainer on the host of a one-part set reads the input rows from
+the part's memory-mapped ``feat.npy`` inside SAGEConv's mean (trainer_client/local_features.py).
+
+The model computes the same function from :class:`SourceRows` as from the gathered rows (the
+same sums in the same order: equal outputs and gradients); the decision names why it does not
+apply; and worker mode, as a user runs it, trains to the same result with and without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from procs import REPO, run_cli
+
+from common.errors import ConfigError
+from common.mfg import Block, SourceRows
+from partition.layout import PartitionSetMeta, load_partition
+from trainer_client.local_features import open_local_features
+from trainer_client.model import GraphSAGE, SAGEConv
+
+
+def _block(num_src: int, num_dst: int, fanout: int, g: torch.Generator,
+           empty_rows: int = 0) -> Block:
+    """A random block: each destination has up to ``fanout`` sources (the last
+    ``empty_rows`` destinations none)."""
+    deg = torch.randint(1, fanout + 1, (num_dst,), generator=g)
+    if empty_rows:
+        deg[-empty_rows:] = 0
+    indptr = torch.zeros(num_dst + 1, dtype=torch.int64)
+    torch.cumsum(deg, 0, out=indptr[1:])
+    indices = torch.randint(0, num_src, (int(indptr[-1]),), generator=g)
+    return Block(indptr, indices, num_src, num_dst)
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("in_feats,out_feats", [(24, 40), (64, 5)])
+def test_sageconv_reads_source_rows_as_the_gathered_rows(in_feats, out_feats):
+    """Aggregate-first (the input layer of the seed model) reads the matrix in its mean;
+    project-first (wide input, narrow output) gathers; both equal the tensor path exactly,
+    outputs and parameter gradients, a destination without in-edges included."""
+    g = torch.Generator().manual_seed(0)
+    matrix = torch.randn(500, in_feats, generator=g)
+    ids = torch.randperm(500, generator=g)[:120]
+    block = _block(120, 30, 6, g, empty_rows=2)
+    torch.manual_seed(1)
+    conv = SAGEConv(in_feats, out_feats)
+    outs, grads = [], []
+    for x in (matrix.index_select(0, ids), SourceRows(matrix, ids)):
+        conv.zero_grad()
+        y = conv(block, x)[:30]
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append(_grads(conv))
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_graphsage_trains_the_same_from_source_rows():
+    """The seed model (3 layers) from SourceRows and from the gathered rows: the same
+    logits and gradients, with dropout 0 and with dropout 0.5 under the same RNG state."""
+    g = torch.Generator().manual_seed(2)
+    matrix = torch.randn(2000, 16, generator=g)
+    ids = torch.randperm(2000, generator=g)[:900]
+    blocks = [_block(900, 300, 5, g), _block(300, 80, 4, g), _block(80, 20, 3, g)]
+    for p in (0.0, 0.5):
+        torch.manual_seed(3)
+        model = GraphSAGE(16, 32, 7, 3, dropout=p)
+        assert model.takes_source_rows
+        outs, grads = [], []
+        for x in (matrix.index_select(0, ids), SourceRows(matrix, ids)):
+            model.zero_grad()
+            torch.manual_seed(4)
+            y = model(blocks, x)
+            torch.nn.functional.cross_entropy(y, torch.arange(20) % 7).backward()
+            outs.append(y.detach())
+            grads.append(_grads(model))
+        assert torch.equal(outs[0], outs[1]), p
+        for a, b in zip(*grads):
+            assert torch.equal(a, b), p
+
+
+def test_source_rows_gather_and_to():
+    matrix = torch.arange(30.0).view(10, 3)
+    rows = SourceRows(matrix, torch.tensor([4, 1, 7]))
+    assert rows.shape == (3, 3) and rows.dtype == torch.float32 and not rows.requires_grad
+    assert torch.equal(rows.gather(), matrix[[4, 1, 7]])
+    assert torch.equal(rows.gather(2), matrix[[4, 1]])
+    assert rows.to("cpu") is rows and rows.float() is rows
+    half = SourceRows(matrix.half(), torch.tensor([2]))
+    assert torch.equal(half.float(), matrix[[2]])
+
+
+@pytest.fixture(scope="module")
+def cora_one_part(cora_dir, tmp_path_factory) -> Path:
+    parts = tmp_path_factory.mktemp("lf") / "cora-1"
+    run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 1, "--out", parts],
+            timeout=300)
+    return parts
+
+
+def _info(parts: Path, **kw) -> SimpleNamespace:
+    """What the servers of ``parts`` answer in their Pong (the fields the decision reads)."""
+    meta = PartitionSetMeta.load(parts)
+    base = dict(num_parts=meta.num_parts, num_nodes=meta.num_nodes, feat_dim=meta.feat_dim,
+                feat_dtype=meta.feat_dtype, set_id=meta.set_id, ntypes=[])
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_decision_names_why_and_maps_the_servers_set(cora_one_part):
+    parts, cpu = str(cora_one_part), torch.device("cpu")
+    info = _info(cora_one_part)
+    used = open_local_features("auto", parts, info, cpu)
+    assert used.used and used.summary() == {"mode": "auto", "used": True}
+    feat = load_partition(parts, 0).feat
+    assert used.matrix.shape == feat.shape and torch.equal(used.matrix, torch.from_numpy(feat))
+    assert open_local_features("off", parts, info, cpu).summary() == {
+        "mode": "off", "used": False, "reason": "off"}
+    cases = [  # (kwargs, what the reason names)
+        (dict(parts=""), "--parts-on-host"),
+        (dict(device=torch.device("cuda")), "cuda"),
+        (dict(info=_info(cora_one_part, num_parts=2)), "2 parts"),
+        (dict(cache_ratio=0.2), "--cache-ratio"),
+        (dict(feat_transfer="float16"), "--feat-transfer"),
+        (dict(info=_info(cora_one_part, feat_dtype="float16")), "float16"),
+        (dict(hetero=True), "typed"),
+    ]
+    for kw, named in cases:
+        args = dict(parts=parts, info=info, device=cpu)
+        args.update({k: kw.pop(k) for k in ("parts", "info", "device") if k in kw})
+        auto = open_local_features("auto", args["parts"], args["info"], args["device"], **kw)
+        assert not auto.used and named in auto.reason, (kw, auto.reason)
+        with pytest.raises(ConfigError, match="--local-features on cannot apply") as e:
+            open_local_features("on", args["parts"], args["info"], args["device"], **kw)
+        assert named in str(e.value)
+    # auto leaves a model that does not read the rows in place alone; on maps for it
+    assert "GraphSAGE" in open_local_features("auto", parts, info, cpu,
+                                              model_reads_rows=False).reason
+    assert open_local_features("on", parts, info, cpu, model_reads_rows=False).used
+    with pytest.raises(ConfigError, match="not the set the servers serve"):
+        open_local_features("auto", parts, _info(cora_one_part, set_id="other-set"), cpu)
+    with pytest.raises(ConfigError, match="cannot read the partition set"):
+        open_local_features("auto", str(cora_one_part / "missing"), info, cpu)
+    with pytest.raises(ConfigError, match="must be one of"):
+        open_local_features("sometimes", parts, info, cpu)
+
+
+def _worker(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    run_tmp = tmp / "t"
+    run_tmp.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "deploy.worker_mode", *args],
+                          capture_output=True, text=True, timeout=400, cwd=REPO,
+                          env={**os.environ, "TMPDIR": str(run_tmp)}, stdin=subprocess.DEVNULL)
+
+
+def _summary(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+SETTINGS = ["--num-trainers", "2", "--epochs", "6", "--fanouts", "10,10", "--batch-size", "64",
+            "--dropout", "0.5", "--no-progress"]
+
+
+@pytest.mark.timeout(600)
+def test_worker_mode_trains_the_same_with_and_without_local_features(cora_one_part, tmp_path):
+    """Worker mode on a one-part set, two DDP trainers: by default (auto) the trainers read
+    the features here (no ring); with off the servers
+    gather them into the ring. The same seeds, MFGs and sums: the same losses and accuracy."""
+    auto = _summary(_worker(["--parts", str(cora_one_part), *SETTINGS], tmp_path))
+    off = _summary(_worker(["--parts", str(cora_one_part), *SETTINGS,
+                            "--local-features", "off"], tmp_path))
+    assert auto["local_features"] == {"mode": "auto", "used": True}, auto["local_features"]
+    assert off["local_features"]["used"] is False
+    # off: the features came in the ring (not counted in bytes_received, the socket's)
+    assert auto["shm_ring"] is None and off["shm_ring"]["replies_in_ring"] > 0
+    assert auto["bytes_received"] <= off["bytes_received"]
+    assert auto["prefetch"]["alternated"] == off["prefetch"]["alternated"]
+    assert auto["final_loss"] == off["final_loss"] and auto["test_acc"] == off["test_acc"]
+    assert auto["test_acc"] >= 0.7, auto
+
+
+@pytest.mark.timeout(300)
+def test_worker_mode_local_features_on_refuses_a_two_part_set(cora_dir, tmp_path):
+    parts = tmp_path / "cora-2"
+    run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 2, "--out", parts],
+            timeout=300)
+    proc = _worker(["--parts", str(parts), *SETTINGS, "--local-features", "on"], tmp_path)
+    assert proc.returncode != 0
+    assert "--local-features on cannot apply" in proc.stderr, proc.stderr[-3000:]
+    assert "2 parts" in proc.stderr and "--local-features auto or off" in proc.stderr
+    auto = _summary(_worker(["--parts", str(parts), *SETTINGS, "--epochs", "1"], tmp_path))
+    assert auto["local_features"]["used"] is False
+    assert "2 parts" in auto["local_features"]["reason"]
+    assert auto["shm_ring"]["used"] is True
