@@ -239,8 +239,13 @@ def _start_long_run(parts: Path, tmp: Path) -> tuple[subprocess.Popen, psutil.Pr
 
 
 @pytest.mark.timeout(300)
-def test_child_death_stops_everything(synth_parts2, tmp_path):
-    proc, launcher = _start_long_run(synth_parts2, tmp_path)
+@pytest.mark.parametrize("parts_fixture", ["synth_parts2", "synth_parts1"])
+def test_child_death_stops_everything(parts_fixture, request, tmp_path):
+    """A server killed mid-run stops the run with an error naming it, leaving nothing
+    behind: on two parts (the features in the ring) and on one, where the trainers read the
+    features from the part's files (--local-features auto) and no ring exists."""
+    parts = request.getfixturevalue(parts_fixture)
+    proc, launcher = _start_long_run(parts, tmp_path)
     kids = launcher.children()
     server = next(k for k in kids if "sampler_server.main" in " ".join(k.cmdline()))
     server.send_signal(signal.SIGKILL)
@@ -252,7 +257,7 @@ def test_child_death_stops_everything(synth_parts2, tmp_path):
     assert "server p" in err and "exited" in err, err[-3000:]
     gone, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, f"children left: {[p.pid for p in alive]}"
-    _assert_clean(tmp_path, str(synth_parts2))
+    _assert_clean(tmp_path, str(parts))
 
 
 @pytest.mark.timeout(300)
