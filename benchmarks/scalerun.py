@@ -573,7 +573,10 @@ def worker_argv(args: argparse.Namespace, parts: Path, run_dir: Path, work: Path
             "--run-dir", str(run_dir), "--work-dir", str(work), "--no-progress",
             "--startup-timeout-s", repr(float(args.startup_timeout_s)),
             "--checkpoint-every", "0", "--eval-every", "0",
-            "--no-shm-ring" if args.no_shm_ring else "--shm-ring"]
+            "--no-shm-ring" if args.no_shm_ring else "--shm-ring",
+            # the servers gather the features, as for a GPU trainer or one on another host
+            # (a one-part set's CPU trainer would otherwise read them here, unmeasured)
+            "--local-features", "off"]
     if args.no_shm_ring:
         # a reply then carries the batch's features (~140 MB at 500k nodes, fanouts
         # 15,10,5): the default 256 MiB backlog per client drops the second one in flight

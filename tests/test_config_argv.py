@@ -55,7 +55,8 @@ TRAINER = TrainerConfig(
     heartbeat_timeout_s=3.0, curve_secret_key="/k", replica_suspect_s=4.5, run_dir="/run",
     model="gat", gat_heads=2, patience=3, lr_schedule="step", lr_step_epochs=4, lr_gamma=0.25,
     grad_clip=1.5, profile_steps=7, eval="full", checkpoint_dir="/ck", checkpoint_every=2, resume=True,
-    deterministic_sampling=False, batch_locality="part")
+    deterministic_sampling=False, batch_locality="part", local_features="off",
+    parts_on_host="/parts")
 # --node-emb-dim with sampled evaluation
 TRAINER_EMB = dataclasses.replace(TRAINER, eval="sampled", node_emb_dim=8, node_emb_lr=0.5)
 # issue 11: typed sets: the relational model and per-relation fanouts
@@ -73,7 +74,8 @@ def _unset(cfg, *names):
 
 WORKER = dict(num_parts=3, synthetic_nodes=500, work_dir="/w", num_trainers=2,
               servers_per_part=2, startup_timeout_s=60.5, shutdown_timeout_s=3.5,
-              trainer=_unset(TRAINER, "cluster", "summary_out", "curve_secret_key"),
+              trainer=_unset(TRAINER, "cluster", "summary_out", "curve_secret_key",
+                    "parts_on_host"),
               server=_unset(SERVER, "parts", "part_id", "bind", "cluster", "ready_file",
                             "shutdown_token_file", "curve_secret_key",
                             "curve_authorized_keys"))
@@ -94,9 +96,11 @@ CASES = {
         # --infer needs one server per part (the layer outputs are held on the servers)
         WorkerModeConfig(dataset_dir="/d", **dict(WORKER, infer=True, servers_per_part=1)),
         WorkerModeConfig(parts="/p", **dict(WORKER, trainer=_unset(
-            TRAINER_EMB, "cluster", "summary_out", "curve_secret_key"))),
+            TRAINER_EMB, "cluster", "summary_out", "curve_secret_key",
+                    "parts_on_host"))),
         WorkerModeConfig(parts="/p", **dict(WORKER, trainer=_unset(
-            TRAINER_TYPED, "cluster", "summary_out", "curve_secret_key")))]),
+            TRAINER_TYPED, "cluster", "summary_out", "curve_secret_key",
+                    "parts_on_host")))]),
     ServerNodeConfig: ("deploy.server_node", [ServerNodeConfig(cluster="/c", **NODE),
                                               ServerNodeConfig(cluster_out="/o", **NODE)]),
     InferConfig: ("deploy.infer_cli", [InferConfig(
