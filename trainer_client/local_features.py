@@ -69,7 +69,8 @@ def _why_not(parts: str, info, device: torch.device, *, cache_ratio: float,
     if info.feat_dtype != "float32":
         return f"the set stores {info.feat_dtype} features; read in place: float32 only"
     if mode == "auto" and not model_reads_rows:
-        return "the model does not read source rows in place (GraphSAGE does)"
+        return ("the model does not read source rows in place (GraphSAGE without "
+                "--node-emb-dim does)")
     return ""
 
 

@@ -774,6 +774,7 @@ def threads_cover_cores(device: torch.device) -> bool:
 
 def decide_local_features(cfg: TrainerConfig, info, device: torch.device) -> LocalFeatures:
     """``--local-features`` for this run (trainer_client/local_features.py)."""
+    check_typed_run(cfg, info)  # (a typed set's model and options, named first)
     name = model_name(cfg, info)
     reads = name == "sage" and cfg.node_emb_dim == 0  # GraphSAGE reads SourceRows in place
     return open_local_features(cfg.local_features, cfg.parts_on_host, info, device,
