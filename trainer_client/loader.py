@@ -1,9 +1,9 @@
 """A DGL-DataLoader-like iterator over mini-batches sampled by the servers.
 
-Each iteration yields ``(input_nodes, output_nodes, mfg)`` with ``mfg[0].srcdata["feat"]`` (a tensor, or
-:class:`~common.mfg.SourceRows` with ``local_features``)
-and ``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a
-``NeighborSampler``. Guarantees:
+Each iteration yields ``(input_nodes, output_nodes, mfg)`` with ``mfg[0].srcdata["feat"]``
+(a tensor; :class:`~common.mfg.SourceRows` with ``local_features``) and
+``mfg[-1].dstdata["label"]``, like ``dgl.dataloading.DataLoader`` with a ``NeighborSampler``.
+Guarantees:
 
 * Every epoch, the seeds are shuffled with a generator seeded by ``(seed, epoch)`` that all
   ranks share, split into ``world_size`` near-equal shards, and each shard into the same
