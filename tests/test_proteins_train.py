@@ -116,8 +116,10 @@ def _worker(args: list[str], tmp: Path, timeout: float = 200) -> subprocess.Comp
 @pytest.mark.parametrize("num_parts,tasks,extra", [
     (1, 112, []), (2, 6, ["--cache-ratio", "0.5"]), (4, 6, ["--feat-transfer", "float16"])])
 def test_worker_mode_trains_multilabel(sets, tmp_path, num_parts, tasks, extra):
-    """Through the shared-memory ring (worker mode's default), the feature cache and fp16
-    feature transfer: labels are unaffected by how features travel."""
+    """Read in place from the one part's features (worker mode's default there,
+    --local-features auto), through the shared-memory ring (the default with more parts),
+    the feature cache and fp16 feature transfer: labels are unaffected by how features
+    travel."""
     parts = _set(sets["root"], num_parts, tasks)
     proc = _worker(["--parts", str(parts), "--num-trainers", "2", "--epochs", "1",
                     "--fanouts", "5,5", "--batch-size", "64", "--hidden", "16",
@@ -130,7 +132,10 @@ def test_worker_mode_trains_multilabel(sets, tmp_path, num_parts, tasks, extra):
     metrics = [json.loads(ln) for ln in
                Path(summary["files"]["metrics"]).read_text().splitlines()]
     assert "test_rocauc" in metrics[-1] and np.isfinite(metrics[-1]["loss"])
-    assert summary["shm_ring"]["used"]
+    if num_parts == 1:
+        assert summary["local_features"]["used"] and summary["shm_ring"] is None, summary
+    else:
+        assert summary["shm_ring"]["used"] and not summary["local_features"]["used"]
     if "--cache-ratio" in extra:
         assert summary["cache"]["rows_from_cache"] > 0
 
