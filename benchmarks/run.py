@@ -84,7 +84,7 @@ from benchmarks.report import (
     ratio,
     steal_share,
 )
-from common.config import CPU_GEMMS, MATMUL_PRECISIONS, PREFETCH_MODES
+from common.config import CPU_GEMMS, LOCAL_FEATURE_MODES, MATMUL_PRECISIONS, PREFETCH_MODES
 from partition.layout import PartitionSetMeta
 
 STEPS = ("dgl-train", "dgl-sample", "server", "worker", "ddp", "step", "datapath", "limits",
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp-procs", type=_positive_int, default=2,
                    help="ddp step: DGL DDP processes and worker-mode trainers, each with "
                         "--batch-size / this many seeds per batch (default 2)")
-    p.add_argument("--local-features", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--local-features", choices=list(LOCAL_FEATURE_MODES), default="auto",
                    help="worker-mode's --local-features: its CPU trainer reads the input "
                         "features from the one part's memory-mapped feature file instead of "
                         "the servers gathering them into the ring (default auto: where it "

@@ -34,6 +34,8 @@ MODEL_NAMES = ("sage", "gcn", "gat", "dgl-sage")  # trainer_client.models.build_
 HETERO_MODEL_NAMES = ("rsage", "hetero-sage")  # typed models (trainer_client.hetero_model)
 # --model: "auto" is rsage on a typed partition set, sage on a homogeneous one
 TRAINER_MODELS = ("auto",) + MODEL_NAMES + HETERO_MODEL_NAMES
+#: --local-features (trainer_client/local_features.py)
+LOCAL_FEATURE_MODES = ("auto", "on", "off")
 PREFETCH_MODES = ("auto", "overlap", "alternate")  # trainer_client.loader.DistNodeDataLoader
 YIELD_CORES_MODES = ("auto", "off")  # trainer_client.core_turns.CoreTurns
 PREFETCH_HELP = (
@@ -252,7 +254,7 @@ class TrainerConfig:
         "so for a CPU trainer of a one-part homogeneous float32 set with a GraphSAGE model, no "
         "--cache-ratio and no --feat-transfer (the summary's local_features says whether and "
         "why not); 'on' insists (an error names what is missing); 'off' keeps the servers' "
-        "gather (trainer_client/local_features.py)", choices=["auto", "on", "off"])
+        "gather (trainer_client/local_features.py)", choices=list(LOCAL_FEATURE_MODES))
     parts_on_host: str = opt(
         "", "the partition set the servers serve, where this trainer can read it (same host); "
         "worker mode sets it; --local-features reads its features")

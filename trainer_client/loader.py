@@ -360,9 +360,7 @@ class DistNodeDataLoader:
             # the cache's assembly (a GPU cache's copies and gathers) on the copy stream too
             with torch.cuda.stream(self.copy_stream):
                 feats = self._features(reply, slot, handle)
-        elif self.local_features is not None:
-            if slot is not None:
-                self.ring.release(slot)  # type: ignore[union-attr]
+        elif self.local_features is not None:  # (no slot was offered: _submit)
             feats = [SourceRows(self.local_features, reply.mfg.only.ids)]
         else:
             feats = self._features(reply, slot, handle)

@@ -25,10 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.config import LOCAL_FEATURE_MODES
 from common.errors import ConfigError
 from partition.layout import PartitionSetMeta, load_partition
-
-LOCAL_FEATURE_MODES = ("auto", "on", "off")
 
 
 @dataclass
