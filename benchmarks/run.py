@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--batch-size / this many seeds per batch (default 2)")
     p.add_argument("--local-features", choices=list(LOCAL_FEATURE_MODES), default="auto",
                    help="worker-mode's --local-features: its CPU trainer reads the input "
-                        "features from the one part's memory-mapped feature file instead of "
+                        "features from the parts' memory-mapped feature files instead of "
                         "the servers gathering them into the ring (default auto: where it "
                         "applies; off: the servers' gather, as before session 53)")
     p.add_argument("--cpu-gemm", choices=list(CPU_GEMMS), default="auto",

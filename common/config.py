@@ -251,10 +251,10 @@ class TrainerConfig:
     local_features: str = opt(
         "auto", "read each batch's input features from the partition files on this host "
         "(--parts-on-host) instead of the servers gathering them into the reply: 'auto' does "
-        "so for a CPU trainer of a one-part homogeneous float32 set with a GraphSAGE model, no "
-        "--cache-ratio and no --feat-transfer (the summary's local_features says whether and "
-        "why not); 'on' insists (an error names what is missing); 'off' keeps the servers' "
-        "gather (trainer_client/local_features.py)", choices=list(LOCAL_FEATURE_MODES))
+        "so for a CPU trainer of a homogeneous float32 set whose parts are all on this host, "
+        "with a GraphSAGE model, no --cache-ratio and no --feat-transfer (the summary's "
+        "local_features says whether and why not); 'on' insists (an error names what is "
+        "missing); 'off' keeps the servers' gather (trainer_client/local_features.py)", choices=list(LOCAL_FEATURE_MODES))
     parts_on_host: str = opt(
         "", "the partition set the servers serve, where this trainer can read it (same host); "
         "worker mode sets it; --local-features reads its features")

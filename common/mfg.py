@@ -22,28 +22,66 @@ NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
 
 
 class SourceRows:
-    """Input features not gathered yet: source node i's row is ``matrix[ids[i]]``.
+    """Input features not gathered yet: source node i's row is read from the partition
+    set's feature matrices, ``matrices[p][ids[i] - offsets[p]]`` for the part ``p`` that owns
+    global id ``ids[i]`` (one part: ``matrix[ids[i]]``).
 
-    A CPU trainer on the host that holds the partition files reads them from the feature
-    matrix's memory map (``--local-features``, trainer_client/local_features.py) instead of a
-    copy the server gathered for it. :class:`~trainer_client.model.SAGEConv` reads these rows
-    inside its mean (one pass over the matrix, no ``[num_src, dim]`` copy); anything else
-    takes :meth:`gather`'s copy, the same rows a server would have sent."""
+    A CPU trainer on the host that holds the partition files reads them from the parts'
+    memory-mapped feature matrices (``--local-features``, trainer_client/local_features.py)
+    instead of a copy the server gathered for it. :class:`~trainer_client.model.SAGEConv`
+    reads these rows inside its mean (one pass over the matrices, no ``[num_src, dim]``
+    copy); anything else takes :meth:`gather`'s copy, the same rows a server would have
+    sent."""
 
-    def __init__(self, matrix: Tensor, ids: Tensor):
-        self.matrix, self.ids = matrix, ids
+    def __init__(self, matrices: Tensor | Sequence[Tensor], ids: Tensor,
+                 offsets: Sequence[int] | None = None):
+        self.matrices = [matrices] if isinstance(matrices, Tensor) else list(matrices)
+        if offsets is None:
+            if len(self.matrices) != 1:
+                raise ValueError("several parts' matrices need their node offsets")
+            offsets = [0, self.matrices[0].shape[0]]
+        if len(offsets) != len(self.matrices) + 1:
+            raise ValueError(f"{len(self.matrices)} matrices need {len(self.matrices) + 1} "
+                             f"node offsets, got {len(offsets)}")
+        self.offsets = [int(o) for o in offsets]
+        self.ids = ids
+        self._split: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def matrix(self) -> Tensor:
+        """The one part's matrix (a one-part set)."""
+        if len(self.matrices) != 1:
+            raise ValueError(f"{len(self.matrices)} parts' rows: no single matrix")
+        return self.matrices[0]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.matrices)
+
+    def owners(self) -> tuple[Tensor, Tensor]:
+        """``(part, local row)`` of each source (int64 each; computed once)."""
+        if self._split is None:
+            offsets = torch.tensor(self.offsets, dtype=torch.int64, device=self.ids.device)
+            if len(self.offsets) <= 9:  # a few parts: one comparison pass per boundary
+                part = torch.zeros_like(self.ids)
+                for bound in self.offsets[1:-1]:
+                    part += self.ids >= bound
+            else:
+                part = torch.searchsorted(offsets[1:-1], self.ids, right=True)
+            self._split = part, self.ids - offsets.index_select(0, part)
+        return self._split
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.ids.numel(), self.matrix.shape[1]))
+        return torch.Size((self.ids.numel(), self.matrices[0].shape[1]))
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.matrix.dtype
+        return self.matrices[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.matrix.device
+        return self.matrices[0].device
 
     requires_grad = False
 
@@ -53,13 +91,21 @@ class SourceRows:
     def gather(self, n: int | None = None) -> Tensor:
         """The first ``n`` (default all) sources' rows as one tensor."""
         ids = self.ids if n is None else self.ids[:n]
-        return self.matrix.index_select(0, ids)
+        if len(self.matrices) == 1:
+            return self.matrices[0].index_select(0, ids)
+        part, local = (t[:ids.numel()] for t in self.owners())
+        out = self.matrices[0].new_empty((ids.numel(), self.shape[1]))
+        for p, m in enumerate(self.matrices):
+            at = (part == p).nonzero().squeeze(1)
+            if at.numel():
+                out.index_copy_(0, at, m.index_select(0, local.index_select(0, at)))
+        return out
 
     def float(self) -> SourceRows | Tensor:
-        return self if self.matrix.dtype == torch.float32 else self.gather().float()
+        return self if self.dtype == torch.float32 else self.gather().float()
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SourceRows | Tensor:
-        if torch.device(device) == self.matrix.device:
+        if torch.device(device) == self.device:
             return self
         return self.gather().to(device, non_blocking=non_blocking)
 
@@ -67,7 +113,8 @@ class SourceRows:
         return self.gather().pin_memory()
 
     def __repr__(self) -> str:
-        return f"SourceRows({self.ids.numel()} of {tuple(self.matrix.shape)})"
+        return (f"SourceRows({self.ids.numel()} of {self.offsets[-1]} rows in "
+                f"{len(self.matrices)} part(s), dim {self.shape[1]})")
 
 
 def count_index(index: Tensor, n: int) -> Tensor:

@@ -707,3 +707,59 @@ int64_t mfg_transpose_csc(const int64_t *indptr, int64_t num_dst, const int64_t 
     free(cursor);
     return num_edges;
 }
+
+/* A CSC's weighted bags split by the part that owns each edge's source, for one
+ * embedding_bag per part's feature matrix (trainer_client/model.py mean_and_self_rows over
+ * several parts' rows read in place): one counting pass and one scatter, against a
+ * comparison, a prefix sum, a nonzero and three gathers per part in torch.
+ * offsets: num_bags + 1 entries rising from 0 to num_edges (bag b: edges offsets[b] ..
+ * offsets[b + 1]); idx: each edge's source position in [0, num_src); part / local: each
+ * source's part in [0, num_parts) and its row in that part's matrix; w: each edge's weight.
+ * Writes part p's edges, in CSC order, to out_row / out_w[start[p] .. start[p + 1]) (their
+ * rows and weights) and its bag offsets, relative to start[p], to out_off[p * (num_bags + 1)
+ * .. + num_bags]; start has num_parts + 1 entries.
+ * Returns num_edges; or MFG_BAD_ID, before anything past start is written, if offsets do not
+ * rise from 0 to num_edges, a source is outside [0, num_src) or its part outside
+ * [0, num_parts); MFG_NO_MEMORY if the cursors cannot be allocated. */
+int64_t mfg_split_bags(const int64_t *offsets, int64_t num_bags, const int64_t *idx,
+                       int64_t num_edges, const int64_t *part, const int64_t *local,
+                       int64_t num_src, const float *w, int64_t num_parts, int64_t *start,
+                       int64_t *out_row, float *out_w, int64_t *out_off)
+{
+    if (num_bags < 0 || num_src < 0 || num_edges < 0 || num_parts < 1 || offsets[0] != 0
+        || offsets[num_bags] != num_edges)
+        return MFG_BAD_ID;
+    for (int64_t b = 0; b < num_bags; b++)
+        if (offsets[b + 1] < offsets[b])
+            return MFG_BAD_ID;
+    for (int64_t s = 0; s < num_src; s++)
+        if ((uint64_t)part[s] >= (uint64_t)num_parts)
+            return MFG_BAD_ID;
+    memset(start, 0, (size_t)(num_parts + 1) * sizeof(int64_t));
+    for (int64_t e = 0; e < num_edges; e++) {
+        if ((uint64_t)idx[e] >= (uint64_t)num_src)
+            return MFG_BAD_ID;
+        start[part[idx[e]] + 1]++;
+    }
+    for (int64_t p = 0; p < num_parts; p++)
+        start[p + 1] += start[p];
+    int64_t *cursor = (int64_t *)malloc((size_t)num_parts * sizeof(int64_t));
+    if (cursor == NULL)
+        return MFG_NO_MEMORY;
+    memcpy(cursor, start, (size_t)num_parts * sizeof(int64_t));
+    const int64_t stride = num_bags + 1;
+    for (int64_t b = 0; b < num_bags; b++) {
+        for (int64_t p = 0; p < num_parts; p++)
+            out_off[p * stride + b] = cursor[p] - start[p];
+        for (int64_t e = offsets[b]; e < offsets[b + 1]; e++) {
+            const int64_t s = idx[e];
+            const int64_t c = cursor[part[s]]++;
+            out_row[c] = local[s];
+            out_w[c] = w[e];
+        }
+    }
+    for (int64_t p = 0; p < num_parts; p++)
+        out_off[p * stride + num_bags] = cursor[p] - start[p];
+    free(cursor);
+    return num_edges;
+}

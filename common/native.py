@@ -122,6 +122,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mfg_assemble_rows.argtypes = [p, i64, i64, p, i64, p, p, i64, p, i64, p]
     lib.mfg_transpose_csc.restype = i64
     lib.mfg_transpose_csc.argtypes = [p, i64, p, i64, i64, p, p, p, p]
+    lib.mfg_split_bags.restype = i64
+    lib.mfg_split_bags.argtypes = [p, i64, p, i64, p, p, i64, p, i64, p, p, p, p]
     return lib
 
 

@@ -1,8 +1,10 @@
-"""``--local-features``: a CPU trainer on the host of a one-part set reads the input rows from
-the part's memory-mapped ``feat.npy`` inside SAGEConv's mean (trainer_client/local_features.py).
+"""``--local-features``: a CPU trainer on the host of a partition set reads the input rows
+from the parts' memory-mapped ``feat.npy`` inside SAGEConv's mean
+(trainer_client/local_features.py).
 
-The model computes the same function from :class:`SourceRows` as from the gathered rows (the
-same sums in the same order: equal outputs and gradients); the decision names why it does not
+The model computes the same function from :class:`SourceRows` as from the gathered rows (one
+part: the same sums in the same order, equal outputs and gradients; several: each
+destination's per-part sums added, float32 rounding only); the decision names why it does not
 apply; and worker mode, as a user runs it, trains to the same result with and without it.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +93,91 @@ def test_graphsage_trains_the_same_from_source_rows():
             assert torch.equal(a, b), p
 
 
+def _split(matrix: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    """``matrix`` as the parts' own matrices (separate tensors, as separate files map)."""
+    return [matrix[a:b].clone() for a, b in zip(offsets, offsets[1:])]
+
+
+def test_source_rows_of_several_parts_gather_and_train_as_the_gathered_rows():
+    """Rows of a three-part set (one part owning none of the batch's sources): the copy is
+    the gathered rows exactly; SAGEConv (both orders) and the seed model compute the same
+    logits and gradients from them up to float32 rounding (per-part sums added)."""
+    g = torch.Generator().manual_seed(5)
+    matrix = torch.randn(700, 24, generator=g)
+    offsets = [0, 250, 400, 700]
+    ids = torch.cat([torch.randperm(250, generator=g)[:90],
+                     400 + torch.randperm(300, generator=g)[:110]])  # none of part 1
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    rows = SourceRows(_split(matrix, offsets), ids, offsets)
+    assert rows.num_parts == 3 and rows.shape == (200, 24)
+    assert torch.equal(rows.gather(), matrix[ids]) and torch.equal(rows.gather(7), matrix[ids[:7]])
+    part, local = rows.owners()
+    assert torch.equal(torch.tensor(offsets)[part] + local, ids) and not (part == 1).any()
+    with pytest.raises(ValueError, match="no single matrix"):
+        rows.matrix  # noqa: B018
+    with pytest.raises(ValueError, match="node offsets"):
+        SourceRows(_split(matrix, offsets), ids)
+    block = _block(200, 50, 6, g, empty_rows=3)
+    for out_feats in (40, 5):  # aggregate first (read in place), project first (gathered)
+        torch.manual_seed(1)
+        conv = SAGEConv(24, out_feats)
+        outs, grads = [], []
+        for x in (matrix.index_select(0, ids), SourceRows(_split(matrix, offsets), ids, offsets)):
+            conv.zero_grad()
+            y = conv(block, x)[:50]
+            y.square().sum().backward()
+            outs.append(y.detach())
+            grads.append(_grads(conv))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+    blocks = [block, _block(50, 20, 4, g), _block(20, 8, 3, g)]
+    torch.manual_seed(3)
+    model = GraphSAGE(24, 32, 7, 3, dropout=0.0)
+    outs, grads = [], []
+    for x in (matrix.index_select(0, ids), rows):
+        model.zero_grad()
+        y = model(blocks, x)
+        torch.nn.functional.cross_entropy(y, torch.arange(8) % 7).backward()
+        outs.append(y.detach())
+        grads.append(_grads(model))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_part_bags_native_and_torch_split_alike(monkeypatch):
+    """The bags split by part (common/native.c ``mfg_split_bags``) are the torch fallback's:
+    each part's edges in CSC order, its rows and weights, its bag offsets (padding bags
+    included); a source position out of range is refused."""
+    import trainer_client.model as model_mod
+
+    g = torch.Generator().manual_seed(8)
+    offsets = [0, 100, 130, 400]
+    ids = torch.randperm(400, generator=g)[:150]
+    block = _block(150, 40, 7, g, empty_rows=4)
+    idx, off, w = block.mean_bags()
+    off = torch.cat([off, off[-1:].expand(5)])  # five padding bags
+    rows = SourceRows([torch.zeros(b - a, 3) for a, b in zip(offsets, offsets[1:])], ids,
+                      offsets)
+    if model_mod.native.load() is None:
+        pytest.skip("native kernels not loaded here")
+    native_split = model_mod.part_bags(idx, off, w, rows)
+    monkeypatch.setattr(model_mod.native, "load", lambda: None)
+    torch_split = model_mod.part_bags(idx, off, w, rows)
+    monkeypatch.undo()
+    part, local = rows.owners()
+    for p, (a, b) in enumerate(zip(native_split, torch_split)):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v), p
+        mine = part[idx] == p
+        assert torch.equal(a[0], local[idx][mine]) and int(a[2][-1]) == int(mine.sum())
+    bad = idx.clone()
+    bad[3] = 150
+    with pytest.raises(ValueError, match="part_bags"):
+        model_mod.part_bags(bad, off, w, rows)
+
+
 def test_source_rows_gather_and_to():
     matrix = torch.arange(30.0).view(10, 3)
     rows = SourceRows(matrix, torch.tensor([4, 1, 7]))
@@ -113,7 +201,8 @@ def _info(parts: Path, **kw) -> SimpleNamespace:
     """What the servers of ``parts`` answer in their Pong (the fields the decision reads)."""
     meta = PartitionSetMeta.load(parts)
     base = dict(num_parts=meta.num_parts, num_nodes=meta.num_nodes, feat_dim=meta.feat_dim,
-                feat_dtype=meta.feat_dtype, set_id=meta.set_id, ntypes=[])
+                feat_dtype=meta.feat_dtype, set_id=meta.set_id, ntypes=[],
+                node_offsets=list(meta.node_offsets))
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -123,13 +212,13 @@ def test_decision_names_why_and_maps_the_servers_set(cora_one_part):
     used = open_local_features("auto", parts, info, cpu)
     assert used.used and used.summary() == {"mode": "auto", "used": True}
     feat = load_partition(parts, 0).feat
-    assert used.matrix.shape == feat.shape and torch.equal(used.matrix, torch.from_numpy(feat))
+    (matrix,) = used.matrices
+    assert matrix.shape == feat.shape and torch.equal(matrix, torch.from_numpy(feat))
     assert open_local_features("off", parts, info, cpu).summary() == {
         "mode": "off", "used": False, "reason": "off"}
     cases = [  # (kwargs, what the reason names)
         (dict(parts=""), "--parts-on-host"),
         (dict(device=torch.device("cuda")), "cuda"),
-        (dict(info=_info(cora_one_part, num_parts=2)), "2 parts"),
         (dict(cache_ratio=0.2), "--cache-ratio"),
         (dict(feat_transfer="float16"), "--feat-transfer"),
         (dict(info=_info(cora_one_part, feat_dtype="float16")), "float16"),
@@ -149,6 +238,8 @@ def test_decision_names_why_and_maps_the_servers_set(cora_one_part):
     assert open_local_features("on", parts, info, cpu, model_reads_rows=False).used
     with pytest.raises(ConfigError, match="not the set the servers serve"):
         open_local_features("auto", parts, _info(cora_one_part, set_id="other-set"), cpu)
+    with pytest.raises(ConfigError, match="in 2 parts"):  # the servers' set is split in two
+        open_local_features("auto", parts, _info(cora_one_part, num_parts=2), cpu)
     with pytest.raises(ConfigError, match="cannot read the partition set"):
         open_local_features("auto", str(cora_one_part / "missing"), info, cpu)
     with pytest.raises(ConfigError, match="must be one of"):
@@ -190,16 +281,53 @@ def test_worker_mode_trains_the_same_with_and_without_local_features(cora_one_pa
     assert auto["test_acc"] >= 0.7, auto
 
 
-@pytest.mark.timeout(300)
-def test_worker_mode_local_features_on_refuses_a_two_part_set(cora_dir, tmp_path):
-    parts = tmp_path / "cora-2"
+@pytest.fixture(scope="module")
+def cora_two_parts(cora_dir, tmp_path_factory) -> Path:
+    parts = tmp_path_factory.mktemp("lf") / "cora-2"
     run_cli("partition.cli", ["--dataset-dir", cora_dir, "--num-parts", 2, "--out", parts],
             timeout=300)
-    proc = _worker(["--parts", str(parts), *SETTINGS, "--local-features", "on"], tmp_path)
+    return parts
+
+
+def test_decision_maps_every_part_or_names_the_missing_one(cora_two_parts, tmp_path):
+    """A two-part set: each part's matrix, in part order; a copy of the set without part 1
+    on this host: auto names the part and reads nothing here, on refuses."""
+    parts, cpu, info = str(cora_two_parts), torch.device("cpu"), _info(cora_two_parts)
+    used = open_local_features("auto", parts, info, cpu)
+    assert used.used and len(used.matrices) == 2
+    for p, matrix in enumerate(used.matrices):
+        assert torch.equal(matrix, torch.from_numpy(load_partition(parts, p).feat))
+    meta = PartitionSetMeta.load(parts)
+    assert [m.shape[0] for m in used.matrices] == [b - a for a, b in
+                                                   zip(meta.node_offsets, meta.node_offsets[1:])]
+    half = tmp_path / "half"
+    shutil.copytree(cora_two_parts, half)
+    shutil.rmtree(half / meta.parts[1].dir)
+    auto = open_local_features("auto", str(half), info, cpu)
+    assert not auto.used and "part 1" in auto.reason, auto.reason
+    with pytest.raises(ConfigError, match="--local-features on cannot apply: part 1"):
+        open_local_features("on", str(half), info, cpu)
+    moved = dict(info.__dict__, node_offsets=[0, 1000, meta.num_nodes])
+    with pytest.raises(ConfigError, match="not the set the servers serve"):
+        open_local_features("auto", parts, SimpleNamespace(**moved), cpu)
+
+
+@pytest.mark.timeout(600)
+def test_worker_mode_reads_a_two_part_set_in_place(cora_two_parts, tmp_path):
+    """Worker mode on a two-part set (two servers, two trainers): by default the trainers
+    read both parts' features here, no ring; with off the servers gather them into the ring.
+    The same seeds and MFGs, the sums only rounded differently: the same accuracy, the loss
+    within float32 rounding carried over 6 epochs; on with a cache refuses, naming it."""
+    auto = _summary(_worker(["--parts", str(cora_two_parts), *SETTINGS], tmp_path))
+    off = _summary(_worker(["--parts", str(cora_two_parts), *SETTINGS,
+                            "--local-features", "off"], tmp_path))
+    assert auto["num_parts"] == 2 and auto["local_features"] == {"mode": "auto", "used": True}
+    assert auto["shm_ring"] is None and off["shm_ring"]["replies_in_ring"] > 0
+    assert auto["bytes_received"] < off["bytes_received"]
+    assert abs(auto["final_loss"] - off["final_loss"]) <= 1e-3 * abs(off["final_loss"]), (
+        auto["final_loss"], off["final_loss"])
+    assert abs(auto["test_acc"] - off["test_acc"]) <= 0.01 and auto["test_acc"] >= 0.7, auto
+    proc = _worker(["--parts", str(cora_two_parts), *SETTINGS, "--epochs", "1",
+                    "--cache-ratio", "0.2", "--local-features", "on"], tmp_path)
     assert proc.returncode != 0
-    assert "--local-features on cannot apply" in proc.stderr, proc.stderr[-3000:]
-    assert "2 parts" in proc.stderr and "--local-features auto or off" in proc.stderr
-    auto = _summary(_worker(["--parts", str(parts), *SETTINGS, "--epochs", "1"], tmp_path))
-    assert auto["local_features"]["used"] is False
-    assert "2 parts" in auto["local_features"]["reason"]
-    assert auto["shm_ring"]["used"] is True
+    assert "--local-features on cannot apply: --cache-ratio" in proc.stderr, proc.stderr[-3000:]

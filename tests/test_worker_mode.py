@@ -178,11 +178,19 @@ def test_cuda_trainer_on_the_default_path(cache_ratio, tmp_path):
     _assert_clean(tmp_path, str(work))
 
 
+#: the two ways the features reach a CPU trainer in worker mode: read from the parts' files
+#: here (--local-features auto, the default; no ring) and gathered by the servers into the
+#: shared-memory ring (off; a GPU trainer's default)
+FEATURE_PATHS = pytest.mark.parametrize("extra", [(), ("--local-features", "off")],
+                                        ids=["local-features", "ring"])
+
+
 @pytest.mark.timeout(300)
-def test_default_synthetic_dataset(tmp_path):
+@FEATURE_PATHS
+def test_default_synthetic_dataset(extra, tmp_path):
     work = tmp_path / "work"
     proc = _worker(["--work-dir", str(work), "--synthetic-nodes", "3000", "--epochs", "3",
-                    "--batch-size", "256", "--no-progress"], tmp_path, timeout=280)
+                    "--batch-size", "256", "--no-progress", *extra], tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = _summary(proc.stdout)
     assert summary["dataset"].startswith("synthetic") and summary["epochs"] == 3
@@ -208,9 +216,17 @@ def test_default_synthetic_dataset(tmp_path):
     if active:
         assert turns["omp_workers"] == threads - 1 and turns["windows"] >= pf["bursts"], turns
         assert turns["cores"] == sorted(os.sched_getaffinity(0))[:threads], turns
-    # the default path: the servers share the host, so every reply lands in the ring; the
-    # training loop drops each batch before the next requests go out (max_inflight + 1 slots;
-    # alternating, a window's last batch goes out before the next window: max_inflight)
+    # the servers share the host: a CPU trainer reads the features from the parts' files by
+    # default (no ring), a GPU trainer's (or --local-features off) land in the ring
+    local = summary["local_features"]
+    if on_cpu and not extra:
+        assert local == {"mode": "auto", "used": True} and summary["shm_ring"] is None, local
+        _assert_clean(tmp_path, str(work))
+        return
+    assert not local["used"], local
+    # through the ring, every reply lands in it; the training loop drops each batch before
+    # the next requests go out (max_inflight + 1 slots; alternating, a window's last batch
+    # goes out before the next window: max_inflight)
     ring = summary["shm_ring"]
     assert ring["used"] and ring["requests_without_slot"] == 0, ring
     most = TrainerConfig().max_inflight + (0 if pf["alternated"] else 1)
@@ -218,10 +234,11 @@ def test_default_synthetic_dataset(tmp_path):
     _assert_clean(tmp_path, str(work))
 
 
-def _start_long_run(parts: Path, tmp: Path) -> tuple[subprocess.Popen, psutil.Process]:
+def _start_long_run(parts: Path, tmp: Path, extra: tuple[str, ...] = ()
+                    ) -> tuple[subprocess.Popen, psutil.Process]:
     proc = subprocess.Popen([sys.executable, "-m", "deploy.worker_mode", "--parts", str(parts),
                              "--num-trainers", "2", "--epochs", "1000", "--batch-size", "64",
-                             "--no-progress"], cwd=REPO, env=_env(tmp), text=True,
+                             "--no-progress", *extra], cwd=REPO, env=_env(tmp), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)
     launcher = psutil.Process(proc.pid)
@@ -239,13 +256,12 @@ def _start_long_run(parts: Path, tmp: Path) -> tuple[subprocess.Popen, psutil.Pr
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parts_fixture", ["synth_parts2", "synth_parts1"])
-def test_child_death_stops_everything(parts_fixture, request, tmp_path):
+@FEATURE_PATHS
+def test_child_death_stops_everything(extra, synth_parts2, tmp_path):
     """A server killed mid-run stops the run with an error naming it, leaving nothing
-    behind: on two parts (the features in the ring) and on one, where the trainers read the
-    features from the part's files (--local-features auto) and no ring exists."""
-    parts = request.getfixturevalue(parts_fixture)
-    proc, launcher = _start_long_run(parts, tmp_path)
+    behind, whichever way the features travel."""
+    parts = synth_parts2
+    proc, launcher = _start_long_run(parts, tmp_path, extra)
     kids = launcher.children()
     server = next(k for k in kids if "sampler_server.main" in " ".join(k.cmdline()))
     server.send_signal(signal.SIGKILL)
@@ -293,9 +309,10 @@ def test_bad_parts_dir_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_sigkilled_launcher_leaves_nothing_running_and_next_run_cleans_up(synth_parts2,
+@FEATURE_PATHS
+def test_sigkilled_launcher_leaves_nothing_running_and_next_run_cleans_up(extra, synth_parts2,
                                                                           tmp_path):
-    proc, launcher = _start_long_run(synth_parts2, tmp_path)
+    proc, launcher = _start_long_run(synth_parts2, tmp_path, extra)
     kids = launcher.children()
     proc.kill()  # no cleanup code runs in the launcher
     proc.communicate(timeout=30)
@@ -304,7 +321,7 @@ def test_sigkilled_launcher_leaves_nothing_running_and_next_run_cleans_up(synth_
     stale = list((tmp_path / "t").glob("mfgserve-*"))
     assert len(stale) == 1, "expected the killed launcher's run directory"
     again = _worker(["--parts", str(synth_parts2), "--epochs", "1", "--batch-size", "256",
-                     "--no-progress"], tmp_path, timeout=240)
+                     "--no-progress", *extra], tmp_path, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"removed {stale[0]}" in again.stderr
     _assert_clean(tmp_path, str(synth_parts2))

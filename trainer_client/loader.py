@@ -45,6 +45,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,7 +170,7 @@ class DistNodeDataLoader:
                  hetero: bool = False, rel_fanouts: list[list[int]] | None = None,
                  seed_ntype: str | None = None, prefetch: str = "overlap",
                  alternate_if_local: bool = False, turns: CoreTurns | None = None,
-                 local_features: Tensor | None = None):
+                 local_features: Sequence[Tensor] | None = None):
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
         self.pool = pool
@@ -194,9 +195,13 @@ class DistNodeDataLoader:
         self.cache = cache
         self.cache_ratio = cache_ratio if cache is not None else 0.0
         self.ring = ring
-        # --local-features: the set's feature matrix on this host; the servers gather no rows
-        # and each MFG's input features are SourceRows of it (trainer_client/local_features.py)
-        self.local_features = local_features
+        # --local-features: the set's feature matrices on this host, one per part (indexed
+        # by node_offsets); the servers gather no rows and each MFG's input features are
+        # SourceRows of them (trainer_client/local_features.py)
+        self.local_features = None if local_features is None else list(local_features)
+        if self.local_features is not None and len(self.local_features) != len(node_offsets) - 1:
+            raise ValueError(f"local_features needs one matrix per part "
+                             f"({len(node_offsets) - 1}), got {len(self.local_features)}")
         if local_features is not None and (hetero or cache is not None or feat_transfer):
             raise ValueError("local_features reads a homogeneous set's stored rows: not with "
                              "hetero, a feature cache or feat_transfer")
@@ -361,7 +366,7 @@ class DistNodeDataLoader:
             with torch.cuda.stream(self.copy_stream):
                 feats = self._features(reply, slot, handle)
         elif self.local_features is not None:  # (no slot was offered: _submit)
-            feats = [SourceRows(self.local_features, reply.mfg.only.ids)]
+            feats = [SourceRows(self.local_features, reply.mfg.only.ids, self._offsets_np)]
         else:
             feats = self._features(reply, slot, handle)
         if self.hetero:

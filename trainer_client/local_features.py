@@ -3,17 +3,18 @@
 A server gathers each batch's input rows (hundreds of thousands of rows, ~150 MB on the
 products-shaped graph) into the trainer's ring slot, and a CPU trainer's first layer reads
 that copy once, in its mean. When the trainer runs on the host that holds the partition set
-(worker mode), the gather's copy is not needed: the trainer maps the part's ``feat.npy`` (the
-same page cache the servers read: nothing loaded twice), asks for no features
+(worker mode), the gather's copy is not needed: the trainer maps every part's ``feat.npy``
+(the same page cache the servers read: nothing loaded twice), asks for no features
 (``SampleRequest.with_feat=False``), and hands the model :class:`~common.mfg.SourceRows`,
-which SAGEConv's mean reads row by row from the matrix (trainer_client/model.py,
-``mean_and_self_rows``). DGL's in-process pipeline reads its feature tensor the same way.
+which SAGEConv's mean reads row by row from the matrices, part by part (trainer_client/
+model.py, ``mean_and_self_rows``). DGL's in-process pipeline reads its feature tensor the
+same way.
 
-It applies (``auto``) to a CPU trainer of a one-part homogeneous float32 set that it can open
-here with the servers' ``set_id``, without a feature cache or ``--feat-transfer``, whose
-model reads source rows (GraphSAGE); ``on`` insists (a clear error naming what is missing),
-``off`` keeps the servers' gather. A GPU trainer needs the copy anyway: its features
-travel to the device from the ring slot.
+It applies (``auto``) to a CPU trainer of a homogeneous float32 set whose parts it can all
+open here with the servers' ``set_id``, without a feature cache or ``--feat-transfer``,
+whose model reads source rows (GraphSAGE); ``on`` insists (a clear error naming what is
+missing), ``off`` keeps the servers' gather. A GPU trainer needs the copy anyway: its
+features travel to the device from the ring slot.
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ from partition.layout import PartitionSetMeta, load_partition
 
 @dataclass
 class LocalFeatures:
-    """The decision and, where it applies, the part's feature matrix (a read-only map)."""
+    """The decision and, where it applies, each part's feature matrix (read-only maps, in
+    part order: node ``gid`` of part ``p`` is row ``gid - node_offsets[p]`` of ``p``'s)."""
 
     mode: str
-    matrix: Tensor | None
+    matrices: list[Tensor] | None
     reason: str  # why not, where not used; "" where used
 
     @property
     def used(self) -> bool:
-        return self.matrix is not None
+        return self.matrices is not None
 
     def summary(self) -> dict:
         out: dict = {"mode": self.mode, "used": self.used}
@@ -56,9 +58,6 @@ def _why_not(parts: str, info, device: torch.device, *, cache_ratio: float,
                 "it)")
     if device.type != "cpu":
         return f"the trainer computes on {device.type}, which needs the features copied there"
-    if info.num_parts != 1:
-        return (f"the set has {info.num_parts} parts; one matrix is read in place only for a "
-                "one-part set")
     if hetero or info.ntypes:
         return "a typed (heterogeneous) set"
     if cache_ratio > 0:
@@ -77,9 +76,10 @@ def open_local_features(mode: str, parts: str, info, device: torch.device, *,
                         cache_ratio: float = 0.0, feat_transfer: str = "",
                         hetero: bool = False, model_reads_rows: bool = True) -> LocalFeatures:
     """Decide ``--local-features`` (``mode``) for a trainer whose servers answered ``info``
-    (their Pong) and, where it applies, map part 0's features. ``on`` where it cannot apply,
-    or a set on this host that is not the servers' (another ``set_id``, shape or dtype):
-    :class:`ConfigError`."""
+    (their Pong) and, where it applies, map every part's features. A set on this host that
+    lacks a part: not used under ``auto`` (the reason names the part). ``on`` where it cannot
+    apply, or a set on this host that is not the servers' (another ``set_id``, partitioning,
+    shape or dtype): :class:`ConfigError`."""
     if mode not in LOCAL_FEATURE_MODES:
         raise ConfigError(f"--local-features must be one of {LOCAL_FEATURE_MODES}, got "
                           f"{mode!r}")
@@ -97,17 +97,30 @@ def open_local_features(mode: str, parts: str, info, device: torch.device, *,
     except Exception as e:  # noqa: BLE001 - the reason is reported, the run goes on
         raise ConfigError(f"--parts-on-host {parts}: cannot read the partition set ({e}); "
                           "give the set the servers serve, or --local-features off") from e
-    if meta.set_id != info.set_id or meta.num_nodes != info.num_nodes:
+    if (meta.set_id != info.set_id or meta.num_nodes != info.num_nodes
+            or meta.num_parts != info.num_parts
+            or list(meta.node_offsets) != list(info.node_offsets)):
         raise ConfigError(
             f"--parts-on-host {parts} is not the set the servers serve (set_id "
-            f"{meta.set_id!r}, {meta.num_nodes} nodes; servers: {info.set_id!r}, "
-            f"{info.num_nodes} nodes); give their set or --local-features off")
-    feat = load_partition(parts, 0, mmap=True).feat
-    if feat.dtype != np.float32 or feat.shape != (info.num_nodes, info.feat_dim):
-        raise ConfigError(f"--parts-on-host {parts}: part 0's feat.npy is {feat.dtype} "
-                          f"{feat.shape}, the servers serve float32 ({info.num_nodes}, "
-                          f"{info.feat_dim}); give their set or --local-features off")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only map; never written
-        matrix = torch.from_numpy(feat)
-    return LocalFeatures(mode, matrix, "")
+            f"{meta.set_id!r}, {meta.num_nodes} nodes in {meta.num_parts} parts; servers: "
+            f"{info.set_id!r}, {info.num_nodes} nodes in {info.num_parts} parts); give their "
+            "set or --local-features off")
+    matrices = []
+    for p in range(meta.num_parts):
+        try:
+            feat = load_partition(parts, p, mmap=True).feat
+        except Exception as e:  # noqa: BLE001 - a part held elsewhere: named, not fatal
+            why = f"part {p} of {parts} cannot be read here ({e})"
+            if mode == "on":
+                raise ConfigError(f"--local-features on cannot apply: {why}; use "
+                                  "--local-features auto or off") from e
+            return LocalFeatures(mode, None, why)
+        rows = info.node_offsets[p + 1] - info.node_offsets[p]
+        if feat.dtype != np.float32 or feat.shape != (rows, info.feat_dim):
+            raise ConfigError(f"--parts-on-host {parts}: part {p}'s feat.npy is {feat.dtype} "
+                              f"{feat.shape}, the servers serve float32 ({rows}, "
+                              f"{info.feat_dim}); give their set or --local-features off")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only map; never written
+            matrices.append(torch.from_numpy(feat))
+    return LocalFeatures(mode, matrices, "")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from common import native
 from common.config import check_cpu_gemm
 from common.cpuinfo import first_cpu
 from common.mfg import Block, SourceRows
@@ -328,19 +329,69 @@ def mean_and_self(block: Block, h_src: Tensor, rows: int | None = None,
 
 def mean_and_self_rows(block: Block, src: SourceRows, rows: int) -> tuple[Tensor, Tensor]:
     """:func:`mean_and_self` of rows not gathered yet (an input layer's, which need no
-    gradient): the mean reads each edge's source row straight from ``src.matrix`` (one
-    weighted ``embedding_bag`` over the block's CSC mapped to matrix rows), and only the
-    destinations' rows are copied, for the self term. The same sums in the same order as
-    ``mean_and_self(block, src.gather(), rows)``."""
+    gradient): the mean reads each edge's source row straight from the parts' matrices (a
+    weighted ``embedding_bag`` over the block's CSC mapped to matrix rows, one per part), and
+    only the destinations' rows are copied, for the self term. One part: the same sums in the
+    same order as ``mean_and_self(block, src.gather(), rows)``; several: each destination's
+    sum is its per-part sums added (float32 rounding only)."""
     num_dst = block.num_dst_nodes()
     dst = _leading_rows(src.gather(min(rows, src.shape[0])), num_dst, rows)
     if block.num_edges() == 0:
         return dst.new_zeros((rows, dst.shape[1])), dst
     idx, off, w = block.mean_bags(src.dtype)
-    agg = F.embedding_bag(src.ids.index_select(0, idx), src.matrix,
-                          _pad_offsets(off, rows - num_dst), mode="sum",
-                          per_sample_weights=w, include_last_offset=True)
+    off = _pad_offsets(off, rows - num_dst)
+    if src.num_parts == 1:
+        agg = F.embedding_bag(src.ids.index_select(0, idx), src.matrix, off, mode="sum",
+                              per_sample_weights=w, include_last_offset=True)
+        return agg, dst
+    agg = None
+    for matrix, (rows_p, w_p, off_p) in zip(src.matrices, part_bags(idx, off, w, src)):
+        if rows_p.numel() == 0:
+            continue
+        part_agg = F.embedding_bag(rows_p, matrix, off_p, mode="sum", per_sample_weights=w_p,
+                                   include_last_offset=True)
+        agg = part_agg if agg is None else agg.add_(part_agg)
     return agg, dst
+
+
+def part_bags(idx: Tensor, off: Tensor, w: Tensor, src: SourceRows
+              ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The weighted bags ``(idx, off, w)`` over ``src``'s positions split by the part that
+    owns each edge's source: per part, ``(rows in its matrix, weights, bag offsets)``, each
+    bag's edges in the CSC's order (common/native.c ``mfg_split_bags``; torch's masks where
+    the library is not loaded)."""
+    part, local = src.owners()
+    parts = src.num_parts
+    lib = native.load() if idx.device.type == "cpu" and w.dtype == torch.float32 else None
+    if lib is not None:
+        idx, off, w = idx.contiguous(), off.contiguous(), w.contiguous()
+        start = torch.empty(parts + 1, dtype=torch.int64)
+        rows = torch.empty(idx.numel(), dtype=torch.int64)
+        w_out = torch.empty(idx.numel(), dtype=torch.float32)
+        offs = torch.empty((parts, off.numel()), dtype=torch.int64)
+        got = lib.mfg_split_bags(off.data_ptr(), off.numel() - 1, idx.data_ptr(), idx.numel(),
+                                 part.data_ptr(), local.data_ptr(), part.numel(), w.data_ptr(),
+                                 parts, start.data_ptr(), rows.data_ptr(), w_out.data_ptr(),
+                                 offs.data_ptr())
+        if got == native.NO_MEMORY:
+            raise MemoryError(f"part_bags: no memory for {parts} cursors")
+        if got < 0:
+            raise ValueError(f"part_bags: bags not rising from 0 to {idx.numel()} edges of "
+                             f"sources in [0, {part.numel()}) owned by {parts} parts")
+        b = start.tolist()
+        return [(rows[b[p]:b[p + 1]], w_out[b[p]:b[p + 1]], offs[p]) for p in range(parts)]
+    edge_part, edge_row = part.index_select(0, idx), local.index_select(0, idx)
+    out = []
+    for p in range(parts):
+        mine = edge_part == p
+        # part p's bags: its edges of each bag, whose bounds are the running count of its
+        # edges at the bags' offsets
+        ends = torch.zeros(mine.numel() + 1, dtype=off.dtype, device=off.device)
+        torch.cumsum(mine, 0, out=ends[1:])
+        at = mine.nonzero().squeeze(1)
+        out.append((edge_row.index_select(0, at), w.index_select(0, at),
+                    ends.index_select(0, off)))
+    return out
 
 
 def relu_dropout_(h: Tensor, p: float) -> Tensor:
