@@ -331,3 +331,17 @@ def test_worker_mode_reads_a_two_part_set_in_place(cora_two_parts, tmp_path):
                     "--cache-ratio", "0.2", "--local-features", "on"], tmp_path)
     assert proc.returncode != 0
     assert "--local-features on cannot apply: --cache-ratio" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_local_mean_benchmark_runs_and_reports_json():
+    """benchmarks.local_mean on a tiny matrix: it runs, prints each round and one JSON line
+    (timings are reported, never asserted)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.local_mean", "--nodes", "3000",
+                           "--sources", "800", "--dests", "200", "--parts", "3",
+                           "--repeats", "1", "--rounds", "1"], capture_output=True, text=True,
+                          timeout=100, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["parts"] == 3 and out["edges"] > 0 and len(out["rounds"]) == 1
+    assert set(out["rounds"][0]) == {"parts_ms", "one_part_ms"} and "round 1" in proc.stderr
