@@ -59,8 +59,21 @@ class SourceRows:
         return len(self.matrices)
 
     def owners(self) -> tuple[Tensor, Tensor]:
-        """``(part, local row)`` of each source (int64 each; computed once)."""
+        """``(part, local row)`` of each source (int64 each; computed once): one native pass
+        (common/native.c ``mfg_owners``) on the CPU, else torch's comparisons (a few parts)
+        or ``searchsorted``."""
         if self._split is None:
+            lib = native.load() if self.ids.device.type == "cpu" else None
+            if lib is not None and self.ids.dtype == torch.int64:
+                ids = self.ids.contiguous()
+                offsets = torch.tensor(self.offsets, dtype=torch.int64)
+                part, local = torch.empty_like(ids), torch.empty_like(ids)
+                if lib.mfg_owners(offsets.data_ptr(), len(self.matrices), None, ids.data_ptr(),
+                                  ids.numel(), part.data_ptr(), local.data_ptr()) < 0:
+                    raise ValueError(f"source ids outside the parts' [0, {self.offsets[-1]}) "
+                                     f"or node offsets {self.offsets} not rising from 0")
+                self._split = part, local
+                return self._split
             offsets = torch.tensor(self.offsets, dtype=torch.int64, device=self.ids.device)
             if len(self.offsets) <= 9:  # a few parts: one comparison pass per boundary
                 part = torch.zeros_like(self.ids)
@@ -95,11 +108,34 @@ class SourceRows:
             return self.matrices[0].index_select(0, ids)
         part, local = (t[:ids.numel()] for t in self.owners())
         out = self.matrices[0].new_empty((ids.numel(), self.shape[1]))
+        if self._copy_native(part, local, out):
+            return out
         for p, m in enumerate(self.matrices):
             at = (part == p).nonzero().squeeze(1)
             if at.numel():
                 out.index_copy_(0, at, m.index_select(0, local.index_select(0, at)))
         return out
+
+    def _copy_native(self, part: Tensor, local: Tensor, out: Tensor) -> bool:
+        """:meth:`gather`'s rows of several parts in one pass (common/native.c
+        ``mfg_copy_part_rows``); False where that does not apply (not on the CPU, the library
+        not loaded, a matrix not contiguous or not of the output's dtype and width)."""
+        if out.device.type != "cpu" or not all(
+                m.is_contiguous() and m.dtype == out.dtype and m.shape[1:] == out.shape[1:]
+                for m in self.matrices):
+            return False
+        lib = native.load()
+        if lib is None:
+            return False
+        bases = torch.tensor([m.data_ptr() for m in self.matrices], dtype=torch.int64)
+        num_rows = torch.tensor([m.shape[0] for m in self.matrices], dtype=torch.int64)
+        part, local = part.contiguous(), local.contiguous()
+        got = lib.mfg_copy_part_rows(bases.data_ptr(), num_rows.data_ptr(), len(self.matrices),
+                                     out.stride(0) * out.element_size(), part.data_ptr(),
+                                     local.data_ptr(), part.numel(), out.data_ptr())
+        if got < 0:
+            raise ValueError(f"rows outside their parts' matrices ({num_rows.tolist()} rows)")
+        return True
 
     def float(self) -> SourceRows | Tensor:
         return self if self.dtype == torch.float32 else self.gather().float()

@@ -763,3 +763,79 @@ int64_t mfg_split_bags(const int64_t *offsets, int64_t num_bags, const int64_t *
     free(cursor);
     return num_edges;
 }
+
+/* Each source's owning part and its row there, from the parts' first global ids
+ * (common/mfg.py SourceRows.owners, a multi-part set's rows read in place): part[i] is the p
+ * with offsets[p] <= ids[i] < offsets[p + 1] and local[i] = ids[i] - offsets[p] + base[p]
+ * (base NULL: 0; common/joined_rows.py gives each part's first row in one matrix that spans
+ * them all), in one pass (a count of the bounds below each id for a few parts, a binary
+ * search above 8), against one comparison pass per bound, a gather of the bounds and a
+ * subtraction in torch. part may be NULL (not written).
+ * offsets: num_parts + 1 entries rising from 0.
+ * Returns n; or MFG_BAD_ID, before anything is written, if the offsets do not rise from 0
+ * or an id is outside [0, offsets[num_parts]). */
+int64_t mfg_owners(const int64_t *offsets, int64_t num_parts, const int64_t *base,
+                   const int64_t *ids, int64_t n, int64_t *part, int64_t *local)
+{
+    if (num_parts < 1 || offsets[0] != 0)
+        return MFG_BAD_ID;
+    for (int64_t p = 0; p < num_parts; p++)
+        if (offsets[p + 1] < offsets[p])
+            return MFG_BAD_ID;
+    const uint64_t total = (uint64_t)offsets[num_parts];
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)ids[i] >= total)
+            return MFG_BAD_ID;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        int64_t p = 0;
+        if (num_parts <= 8) { /* a count of the bounds at or below id: no branch to mispredict */
+            for (int64_t b = 1; b < num_parts; b++)
+                p += id >= offsets[b];
+        } else {
+            int64_t hi = num_parts - 1;
+            while (p < hi) { /* the last p with offsets[p] <= id */
+                const int64_t mid = p + (hi - p + 1) / 2;
+                if (offsets[mid] <= id)
+                    p = mid;
+                else
+                    hi = mid - 1;
+            }
+        }
+        if (part != NULL)
+            part[i] = p;
+        local[i] = id - offsets[p] + (base != NULL ? base[p] : 0);
+    }
+    return n;
+}
+
+/* Rows of several parts' matrices into one (common/mfg.py SourceRows.gather over a
+ * multi-part set read in place): out's row i is row local[i] of part part[i]'s matrix, whose
+ * first byte is bases[part[i]], row_bytes each, in one pass with the rows ahead fetched into
+ * L2 as in mfg_copy_rows, against a nonzero, an index_select into a temporary and an
+ * index_copy_ per part in torch. Plain stores: the rows are read next by this process.
+ * num_rows: each part's rows.
+ * Returns n; or MFG_BAD_ID, before anything is written, if a part is outside
+ * [0, num_parts) or a row outside its part's [0, num_rows[p]). */
+int64_t mfg_copy_part_rows(const int64_t *bases, const int64_t *num_rows, int64_t num_parts,
+                           int64_t row_bytes, const int64_t *part, const int64_t *local,
+                           int64_t n, char *out)
+{
+    if (row_bytes < 0 || num_parts < 1)
+        return MFG_BAD_ID;
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)part[i] >= (uint64_t)num_parts
+            || (uint64_t)local[i] >= (uint64_t)num_rows[part[i]])
+            return MFG_BAD_ID;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + MFG_COPY_AHEAD < n) {
+            const int64_t j = i + MFG_COPY_AHEAD;
+            const char *next = (const char *)(intptr_t)bases[part[j]] + local[j] * row_bytes;
+            for (int64_t q = 0; q < row_bytes; q += 64)
+                MFG_PREFETCH_L2(next + q);
+        }
+        const char *src = (const char *)(intptr_t)bases[part[i]] + local[i] * row_bytes;
+        memcpy(out + i * row_bytes, src, (size_t)row_bytes);
+    }
+    return n;
+}

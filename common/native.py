@@ -10,7 +10,9 @@ does them all in a single pass with the GIL released, fetching the next rows' me
 (sampler_server/partition_store.py), ``mfg_row_runs``, ``mfg_draw_picks``
 and ``mfg_gather_rows`` (sampler_server/seeded_sampler.py), ``mfg_copy_rows``
 (sampler_server/partition_store.py), ``mfg_assemble_rows`` (trainer_client/feature_cache.py:
-a CPU trainer's cached and received feature rows into one matrix).
+a CPU trainer's cached and received feature rows into one matrix), ``mfg_transpose_csc``
+(common/mfg.py) and ``mfg_split_bags`` (trainer_client/model.py), ``mfg_owners`` and
+``mfg_copy_part_rows`` (common/mfg.py SourceRows: a multi-part set's rows read in place).
 
 Build: the first use compiles ``native.c`` with ``$CC`` (else the compiler Python was built
 with, else ``cc``) into ``$MFGSERVE_NATIVE_DIR`` (default ``~/.cache/mfgserve``; a private
@@ -124,6 +126,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mfg_transpose_csc.argtypes = [p, i64, p, i64, i64, p, p, p, p]
     lib.mfg_split_bags.restype = i64
     lib.mfg_split_bags.argtypes = [p, i64, p, i64, p, p, i64, p, i64, p, p, p, p]
+    lib.mfg_owners.restype = i64
+    lib.mfg_owners.argtypes = [p, i64, p, p, i64, p, p]
+    lib.mfg_copy_part_rows.restype = i64
+    lib.mfg_copy_part_rows.argtypes = [p, p, i64, i64, p, p, i64, p]
     return lib
 
 

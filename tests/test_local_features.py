@@ -178,6 +178,44 @@ def test_part_bags_native_and_torch_split_alike(monkeypatch):
         model_mod.part_bags(bad, off, w, rows)
 
 
+@pytest.mark.parametrize("num_parts", [3, 12])  # a scan over the bounds; a binary search
+def test_owners_and_gather_native_and_torch_alike(monkeypatch, num_parts):
+    """Each source's part and row (common/native.c ``mfg_owners``) and the rows copied from
+    several parts (``mfg_copy_part_rows``) are the torch fallback's, with an empty part and
+    ids on every bound; an id past the last part, or a part's row past its matrix, is refused
+    before anything is written."""
+    import common.mfg as mfg_mod
+
+    if mfg_mod.native.load() is None:
+        pytest.skip("native kernels not loaded here")
+    g = torch.Generator().manual_seed(num_parts)
+    cuts = torch.randperm(999, generator=g)[:num_parts - 2].add(1).sort().values.tolist()
+    offsets = [0, *cuts, cuts[-1], 1000]  # the second-to-last part owns no row
+    matrix = torch.randn(1000, 9, generator=g)
+    ids = torch.cat([torch.tensor(offsets[:-1]), torch.tensor(offsets[1:]) - 1,
+                     torch.randint(0, 1000, (300,), generator=g)])
+    ids = ids[ids >= 0]
+
+    def run():
+        rows = SourceRows(_split(matrix, offsets), ids, offsets)
+        return rows.owners(), rows.gather(), rows.gather(17)
+
+    (part, local), full, head = run()
+    monkeypatch.setattr(mfg_mod.native, "load", lambda: None)
+    (t_part, t_local), t_full, t_head = run()
+    monkeypatch.undo()
+    assert torch.equal(part, t_part) and torch.equal(local, t_local)
+    assert torch.equal(full, t_full) and torch.equal(head, t_head)
+    assert torch.equal(full, matrix[ids]) and not (part == num_parts - 2).any()
+    with pytest.raises(ValueError, match="outside the parts"):
+        SourceRows(_split(matrix, offsets), torch.tensor([3, 1000]), offsets).owners()
+    short = _split(matrix, offsets)
+    short[0] = short[0][:-1]  # part 0's matrix a row shorter than its offsets say
+    rows = SourceRows(short, torch.tensor([offsets[1] - 1]), offsets)
+    with pytest.raises(ValueError, match="outside their parts"):
+        rows.gather()
+
+
 def test_source_rows_gather_and_to():
     matrix = torch.arange(30.0).view(10, 3)
     rows = SourceRows(matrix, torch.tensor([4, 1, 7]))
