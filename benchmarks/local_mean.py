@@ -5,7 +5,9 @@
 
 Random rows and a random block (``--sources`` sources, ``--dests`` destinations, up to
 ``--fanout`` in-edges each); prints, per round, the median milliseconds of the mean over one
-matrix and over the same rows split into ``--parts`` matrices, and a JSON line at the end.
+matrix, over the same rows split into ``--parts`` matrices, and over the parts written as
+``feat.npy`` files and mapped as one matrix (common/joined_rows.py, what a trainer of a
+multi-part set on its host reads; the ids' rebasing included), and a JSON line at the end.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from common.joined_rows import join
 from common.mfg import Block, SourceRows
 from trainer_client.model import mean_and_self_rows
 
@@ -55,15 +61,28 @@ def main(argv: list[str] | None = None) -> int:
     block = Block(indptr, torch.randint(0, a.sources, (int(indptr[-1]),), generator=g),
                   a.sources, a.dests)
     rounds = []
-    for r in range(a.rounds):
-        row = {
-            "parts_ms": _median_ms(lambda: mean_and_self_rows(
-                block, SourceRows(mats, ids, offsets), a.dests), a.repeats),
-            "one_part_ms": _median_ms(lambda: mean_and_self_rows(
-                block, SourceRows(full, ids), a.dests), a.repeats)}
-        print(f"round {r + 1}: {a.parts} parts {row['parts_ms']} ms, one part "
-              f"{row['one_part_ms']} ms", file=sys.stderr)
-        rounds.append(row)
+    with tempfile.TemporaryDirectory(prefix="local-mean-") as tmp:
+        maps = []
+        for p_, m in enumerate(mats):
+            np.save(Path(tmp) / f"feat{p_}.npy", m.numpy())
+            maps.append(np.load(Path(tmp) / f"feat{p_}.npy", mmap_mode="r"))
+        joined, why = join(maps, offsets)
+        if joined is None:
+            print(f"the parts cannot be joined here ({why}): no joined figure",
+                  file=sys.stderr)
+        for r in range(a.rounds):
+            row = {
+                "parts_ms": _median_ms(lambda: mean_and_self_rows(
+                    block, SourceRows(mats, ids, offsets), a.dests), a.repeats),
+                "one_part_ms": _median_ms(lambda: mean_and_self_rows(
+                    block, SourceRows(full, ids), a.dests), a.repeats),
+                "joined_ms": None if joined is None else _median_ms(
+                    lambda: mean_and_self_rows(block, joined.source_rows(ids), a.dests),
+                    a.repeats)}
+            print(f"round {r + 1}: {a.parts} parts {row['parts_ms']} ms, one part "
+                  f"{row['one_part_ms']} ms, {a.parts} files joined {row['joined_ms']} ms",
+                  file=sys.stderr)
+            rounds.append(row)
     print(json.dumps({"edges": block.num_edges(), "parts": a.parts, "rounds": rounds,
                       "threads": torch.get_num_threads()}))
     return 0

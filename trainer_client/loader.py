@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from common.config import PREFETCH_MODES
+from common.joined_rows import JoinedRows
 from common.messages import MFGReply, RelFanouts, SampleRequest, derive_seed
 from common.mfg import MFG, HeteroMFG, SourceRows, mfg_tensors, to_device
 from common.rpc import expect
@@ -170,7 +171,8 @@ class DistNodeDataLoader:
                  hetero: bool = False, rel_fanouts: list[list[int]] | None = None,
                  seed_ntype: str | None = None, prefetch: str = "overlap",
                  alternate_if_local: bool = False, turns: CoreTurns | None = None,
-                 local_features: Sequence[Tensor] | None = None):
+                 local_features: Sequence[Tensor] | None = None,
+                 local_joined: JoinedRows | None = None):
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
         self.pool = pool
@@ -205,6 +207,11 @@ class DistNodeDataLoader:
         if local_features is not None and (hetero or cache is not None or feat_transfer):
             raise ValueError("local_features reads a homogeneous set's stored rows: not with "
                              "hetero, a feature cache or feat_transfer")
+        # the same matrices joined into one (common/joined_rows.py), where they could be
+        if local_joined is not None and (self.local_features is None or list(
+                local_joined.offsets) != [int(o) for o in node_offsets]):
+            raise ValueError("local_joined joins the parts' local_features (same node offsets)")
+        self.local_joined = local_joined
         self.hetero, self.seed_ntype = hetero, seed_ntype
         self.rel_fanouts = RelFanouts.table(rel_fanouts) if rel_fanouts else []
         if rel_fanouts and len(rel_fanouts) != len(self.fanouts):
@@ -366,7 +373,9 @@ class DistNodeDataLoader:
             with torch.cuda.stream(self.copy_stream):
                 feats = self._features(reply, slot, handle)
         elif self.local_features is not None:  # (no slot was offered: _submit)
-            feats = [SourceRows(self.local_features, reply.mfg.only.ids, self._offsets_np)]
+            ids = reply.mfg.only.ids
+            feats = [self.local_joined.source_rows(ids) if self.local_joined is not None
+                     else SourceRows(self.local_features, ids, self._offsets_np)]
         else:
             feats = self._features(reply, slot, handle)
         if self.hetero:

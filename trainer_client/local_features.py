@@ -6,9 +6,11 @@ that copy once, in its mean. When the trainer runs on the host that holds the pa
 (worker mode), the gather's copy is not needed: the trainer maps every part's ``feat.npy``
 (the same page cache the servers read: nothing loaded twice), asks for no features
 (``SampleRequest.with_feat=False``), and hands the model :class:`~common.mfg.SourceRows`,
-which SAGEConv's mean reads row by row from the matrices, part by part (trainer_client/
-model.py, ``mean_and_self_rows``). DGL's in-process pipeline reads its feature tensor the
-same way.
+which SAGEConv's mean reads row by row from the matrices (trainer_client/model.py,
+``mean_and_self_rows``). Several parts' maps are joined into one matrix where the platform
+allows (common/joined_rows.py: one address range, no copy), so the mean reads one matrix as
+with a one-part set; else it reads them part by part. DGL's in-process pipeline reads its
+feature tensor the same way.
 
 It applies (``auto``) to a CPU trainer of a homogeneous float32 set whose parts it can all
 open here with the servers' ``set_id``, without a feature cache or ``--feat-transfer``,
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from common.config import LOCAL_FEATURE_MODES
 from common.errors import ConfigError
+from common.joined_rows import JoinedRows, join
 from partition.layout import PartitionSetMeta, load_partition
 
 
@@ -39,6 +42,9 @@ class LocalFeatures:
     mode: str
     matrices: list[Tensor] | None
     reason: str  # why not, where not used; "" where used
+    # several parts' maps as one matrix (common/joined_rows.py), where they could be joined
+    joined: JoinedRows | None = None
+    joined_reason: str = ""  # why not joined, where used without
 
     @property
     def used(self) -> bool:
@@ -48,6 +54,11 @@ class LocalFeatures:
         out: dict = {"mode": self.mode, "used": self.used}
         if self.reason:
             out["reason"] = self.reason
+        if self.used and len(self.matrices) > 1:
+            out["parts"] = len(self.matrices)
+            out["joined"] = self.joined is not None
+            if self.joined_reason:
+                out["joined_reason"] = self.joined_reason
         return out
 
 
@@ -105,7 +116,7 @@ def open_local_features(mode: str, parts: str, info, device: torch.device, *,
             f"{meta.set_id!r}, {meta.num_nodes} nodes in {meta.num_parts} parts; servers: "
             f"{info.set_id!r}, {info.num_nodes} nodes in {info.num_parts} parts); give their "
             "set or --local-features off")
-    matrices = []
+    matrices, maps = [], []
     for p in range(meta.num_parts):
         try:
             feat = load_partition(parts, p, mmap=True).feat
@@ -120,7 +131,9 @@ def open_local_features(mode: str, parts: str, info, device: torch.device, *,
             raise ConfigError(f"--parts-on-host {parts}: part {p}'s feat.npy is {feat.dtype} "
                               f"{feat.shape}, the servers serve float32 ({rows}, "
                               f"{info.feat_dim}); give their set or --local-features off")
+        maps.append(feat)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only map; never written
             matrices.append(torch.from_numpy(feat))
-    return LocalFeatures(mode, matrices, "")
+    joined, why_not_joined = join(maps, info.node_offsets) if len(maps) > 1 else (None, "")
+    return LocalFeatures(mode, matrices, "", joined, why_not_joined)

@@ -800,7 +800,8 @@ def _make_loaders(cfg: TrainerConfig, ddp: DDPSetup, device, pool: ServerPool, i
                   alternate_if_local=covered, device=device,
                   feat_transfer=cfg.feat_transfer, cache=cache, cache_ratio=cfg.cache_ratio,
                   ring=ring, deterministic=cfg.deterministic_sampling, turns=turns,
-                  local_features=local.matrices if local is not None else None)
+                  local_features=local.matrices if local is not None else None,
+                  local_joined=local.joined if local is not None else None)
     train = DistNodeDataLoader(pool, splits["train"], info.node_offsets, fanouts=cfg.fanouts,
                                batch_size=cfg.batch_size, shuffle=True,
                                batch_locality=cfg.batch_locality,
