@@ -36,8 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common import native
-from common.mfg import SourceRows
+from common.mfg import SourceRows, owners
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x01, 0x02, 0x10
@@ -89,21 +88,8 @@ class JoinedRows:
 
     def rows_of(self, ids: Tensor) -> Tensor:
         """The joined matrix's row of each global node id (int64; ValueError for an id outside
-        the set): one native pass (common/native.c ``mfg_owners``), else torch's."""
-        ids = ids.contiguous()
-        offsets = torch.tensor(self.offsets, dtype=torch.int64)
-        base = torch.tensor(self.starts, dtype=torch.int64)
-        lib = native.load() if ids.device.type == "cpu" and ids.dtype == torch.int64 else None
-        if lib is not None:
-            out = torch.empty_like(ids)
-            if lib.mfg_owners(offsets.data_ptr(), len(self.starts), base.data_ptr(),
-                              ids.data_ptr(), ids.numel(), None, out.data_ptr()) < 0:
-                raise ValueError(f"node ids outside the set's [0, {self.offsets[-1]})")
-            return out
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.offsets[-1]):
-            raise ValueError(f"node ids outside the set's [0, {self.offsets[-1]})")
-        part = torch.searchsorted(offsets[1:-1], ids, right=True)
-        return ids + (base - offsets[:-1]).index_select(0, part)
+        the set; :func:`common.mfg.owners`)."""
+        return owners(ids, self.offsets, base=self.starts, with_part=False)[1]
 
     def source_rows(self, ids: Tensor) -> SourceRows:
         """A batch's source rows (global node ids ``ids``) over the joined matrix."""

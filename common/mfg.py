@@ -21,6 +21,44 @@ from common.sampled_mfg import FEAT_FRAMES, SampledMFG
 NID = "_ID"  # the same key DGL uses for node ids in srcdata/dstdata
 
 
+def owners(ids: Tensor, offsets: Sequence[int], base: Sequence[int] | None = None,
+           with_part: bool = True) -> tuple[Tensor | None, Tensor]:
+    """Each global node id's part ``p`` (``offsets[p] <= id < offsets[p + 1]``; ``offsets``
+    rising from 0) and its row there, ``id - offsets[p]``, plus ``base[p]`` where given
+    (common/joined_rows.py: each part's first row in one matrix over them all); ``(None,
+    rows)`` without ``with_part``. One native pass on the CPU (common/native.c
+    ``mfg_owners``), else torch's comparisons (a few parts) or ``searchsorted``. ValueError
+    for an id outside ``[0, offsets[-1])``."""
+    offsets = [int(o) for o in offsets]
+    num_parts = len(offsets) - 1
+    lib = native.load() if ids.device.type == "cpu" and ids.dtype == torch.int64 else None
+    if lib is not None:
+        ids = ids.contiguous()
+        bounds = torch.tensor(offsets, dtype=torch.int64)
+        at = None if base is None else torch.tensor(list(base), dtype=torch.int64)
+        part = torch.empty_like(ids) if with_part else None
+        rows = torch.empty_like(ids)
+        if lib.mfg_owners(bounds.data_ptr(), num_parts, None if at is None else at.data_ptr(),
+                          ids.data_ptr(), ids.numel(), None if part is None else part.data_ptr(),
+                          rows.data_ptr()) < 0:
+            raise ValueError(f"node ids outside the parts' [0, {offsets[-1]}) or node "
+                             f"offsets {offsets} not rising from 0")
+        return part, rows
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= offsets[-1]):
+        raise ValueError(f"node ids outside the parts' [0, {offsets[-1]})")
+    if num_parts <= 8:  # a few parts: one comparison pass per boundary
+        part = torch.zeros_like(ids)
+        for bound in offsets[1:-1]:
+            part += ids >= bound
+    else:
+        part = torch.searchsorted(torch.tensor(offsets[1:-1], dtype=ids.dtype,
+                                               device=ids.device), ids, right=True)
+    shift = torch.tensor(offsets[:-1], dtype=ids.dtype, device=ids.device)
+    if base is not None:
+        shift = shift - torch.tensor(list(base), dtype=ids.dtype, device=ids.device)
+    return (part if with_part else None), ids - shift.index_select(0, part)
+
+
 class SourceRows:
     """Input features not gathered yet: source node i's row is read from the partition
     set's feature matrices, ``matrices[p][ids[i] - offsets[p]]`` for the part ``p`` that owns
@@ -59,29 +97,10 @@ class SourceRows:
         return len(self.matrices)
 
     def owners(self) -> tuple[Tensor, Tensor]:
-        """``(part, local row)`` of each source (int64 each; computed once): one native pass
-        (common/native.c ``mfg_owners``) on the CPU, else torch's comparisons (a few parts)
-        or ``searchsorted``."""
+        """``(part, local row)`` of each source (int64 each; computed once; :func:`owners`)."""
         if self._split is None:
-            lib = native.load() if self.ids.device.type == "cpu" else None
-            if lib is not None and self.ids.dtype == torch.int64:
-                ids = self.ids.contiguous()
-                offsets = torch.tensor(self.offsets, dtype=torch.int64)
-                part, local = torch.empty_like(ids), torch.empty_like(ids)
-                if lib.mfg_owners(offsets.data_ptr(), len(self.matrices), None, ids.data_ptr(),
-                                  ids.numel(), part.data_ptr(), local.data_ptr()) < 0:
-                    raise ValueError(f"source ids outside the parts' [0, {self.offsets[-1]}) "
-                                     f"or node offsets {self.offsets} not rising from 0")
-                self._split = part, local
-                return self._split
-            offsets = torch.tensor(self.offsets, dtype=torch.int64, device=self.ids.device)
-            if len(self.offsets) <= 9:  # a few parts: one comparison pass per boundary
-                part = torch.zeros_like(self.ids)
-                for bound in self.offsets[1:-1]:
-                    part += self.ids >= bound
-            else:
-                part = torch.searchsorted(offsets[1:-1], self.ids, right=True)
-            self._split = part, self.ids - offsets.index_select(0, part)
+            part, local = owners(self.ids, self.offsets)
+            self._split = part, local
         return self._split
 
     @property

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import joined_rows
+from common import mfg
 from common.joined_rows import join, layout
 
 PAGE = mmap.PAGESIZE
@@ -72,13 +72,13 @@ def test_join_reads_each_part_as_its_file(tmp_path, monkeypatch, dim, dtype):
     rows = joined.rows_of(ids)
     src = joined.source_rows(ids)
     assert src.num_parts == 1 and torch.equal(src.gather(), full[ids])
-    with pytest.raises(ValueError, match="outside the set"):
+    with pytest.raises(ValueError, match="outside the parts"):
         joined.rows_of(torch.tensor([offsets[-1]]))
-    with pytest.raises(ValueError, match="outside the set"):
+    with pytest.raises(ValueError, match="outside the parts"):
         joined.rows_of(torch.tensor([-1]))
-    monkeypatch.setattr(joined_rows.native, "load", lambda: None)  # torch's rebasing
+    monkeypatch.setattr(mfg.native, "load", lambda: None)  # torch's rebasing
     assert torch.equal(joined.rows_of(ids), rows)
-    with pytest.raises(ValueError, match="outside the set"):
+    with pytest.raises(ValueError, match="outside the parts"):
         joined.rows_of(torch.tensor([offsets[-1]]))
     address = joined.matrix.data_ptr()
     assert _mapped(address)

@@ -203,6 +203,8 @@ def test_owners_and_gather_native_and_torch_alike(monkeypatch, num_parts):
     (part, local), full, head = run()
     monkeypatch.setattr(mfg_mod.native, "load", lambda: None)
     (t_part, t_local), t_full, t_head = run()
+    with pytest.raises(ValueError, match="outside the parts"):
+        SourceRows(_split(matrix, offsets), torch.tensor([3, 1000]), offsets).owners()
     monkeypatch.undo()
     assert torch.equal(part, t_part) and torch.equal(local, t_local)
     assert torch.equal(full, t_full) and torch.equal(head, t_head)
