@@ -108,7 +108,7 @@ def _libc():
     return libc
 
 
-def join(arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> tuple[JoinedRows | None, str]:
+def join(arrays: Sequence[np.memmap], offsets: Sequence[int]) -> tuple[JoinedRows | None, str]:
     """The parts' feature arrays (``np.load(..., mmap_mode="r")`` of each ``feat.npy``, one
     dtype and width, C order) mapped as one matrix: ``(JoinedRows, "")``, or ``(None, why
     not)``. The range is unmapped when the last tensor over it is freed."""
@@ -123,6 +123,9 @@ def join(arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> tuple[JoinedRo
         return None, "the parts' features are not C-order maps of one dtype and width"
     if [a.shape[0] for a in arrays] != [b - a for a, b in zip(offsets, offsets[1:])]:
         return None, "the parts' rows do not match the node offsets"
+    files = [f for f in (a.filename for a in arrays) if f is not None]
+    if len(files) != len(arrays):
+        return None, "the parts' features are not maps of files"
     row_bytes = first.shape[1] * first.dtype.itemsize
     plan = layout([int(a.offset) for a in arrays], [a.shape[0] for a in arrays], row_bytes)
     if plan is None:
@@ -134,17 +137,17 @@ def join(arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> tuple[JoinedRo
     if base in (None, ctypes.c_void_p(-1).value):
         return None, f"cannot reserve {size} bytes of address space ({os.strerror(ctypes.get_errno())})"
     try:
-        for a, at in zip(arrays, map_at):
+        for a, at, file in zip(arrays, map_at, files):
             length = int(a.offset) + a.shape[0] * row_bytes
             if length == 0:
                 continue
-            fd = os.open(a.filename, os.O_RDONLY)
+            fd = os.open(file, os.O_RDONLY)
             try:
                 got = libc.mmap(base + at, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
             finally:
                 os.close(fd)
             if got != base + at:
-                raise OSError(ctypes.get_errno(), f"mmap of {a.filename}: "
+                raise OSError(ctypes.get_errno(), f"mmap of {file}: "
                               f"{os.strerror(ctypes.get_errno())}")
     except OSError as e:
         libc.munmap(base, size)

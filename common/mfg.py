@@ -100,6 +100,7 @@ class SourceRows:
         """``(part, local row)`` of each source (int64 each; computed once; :func:`owners`)."""
         if self._split is None:
             part, local = owners(self.ids, self.offsets)
+            assert part is not None  # (asked for)
             self._split = part, local
         return self._split
 
