@@ -220,7 +220,9 @@ def test_default_synthetic_dataset(extra, tmp_path):
     # default (no ring), a GPU trainer's (or --local-features off) land in the ring
     local = summary["local_features"]
     if on_cpu and not extra:
-        assert local == {"mode": "auto", "used": True} and summary["shm_ring"] is None, local
+        # (the default set's two parts' feature files mapped as one matrix)
+        assert local == {"mode": "auto", "used": True, "parts": 2, "joined": True}, local
+        assert summary["shm_ring"] is None, summary["shm_ring"]
         _assert_clean(tmp_path, str(work))
         return
     assert not local["used"], local
