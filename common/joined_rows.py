@@ -8,10 +8,10 @@ the parts' own maps read, nothing copied) at an address inside one reserved rang
 after part 0's: part ``p``'s row ``r`` is the joined matrix's row ``starts[p] + r``. The rows
 between two parts are a gap no id maps to. A file's mapping must start on a page boundary,
 so part ``p`` can start at row ``k`` only where ``header_0 + k * row_bytes - header_p`` is a
-multiple of the page size (:func:`layout`); where no such row exists within a page's worth of
-rows, or the platform has no ``mmap`` with ``MAP_FIXED`` (not Linux), :func:`join` says why
-and the caller reads the parts one by one (:class:`~common.mfg.SourceRows` over several
-matrices).
+multiple of the page size (:func:`layout`); where no row is (``gcd(row_bytes, page)`` does
+not divide the difference of the two header lengths), or the platform has no ``mmap`` with
+``MAP_FIXED`` (not Linux), :func:`join` says why and the caller reads the parts one by one
+(:class:`~common.mfg.SourceRows` over several matrices).
 
 Why: with several matrices SAGEConv's mean splits each batch's bags by part and runs one
 ``embedding_bag`` per part, writing every destination's row once per part, and the
@@ -50,10 +50,11 @@ def layout(headers: Sequence[int], rows: Sequence[int], row_bytes: int,
     its file (``headers[p]`` bytes of header, then ``rows[p]`` rows of ``row_bytes``) is
     mapped at byte ``map_at[p]`` of the range (a page boundary, after the previous file's
     pages), so its first row is at byte ``headers[0] + starts[p] * row_bytes``; ``size``:
-    the range's bytes (whole pages). None where some part has no such start within ``page``
-    rows of the earliest it could take (a header length no row multiple can reconcile)."""
+    the range's bytes (whole pages). None where some part has no such start (such starts
+    recur every ``page // gcd(row_bytes, page)`` rows: none among the first that many)."""
     if row_bytes <= 0 or len(headers) != len(rows) or not rows:
         return None
+    step = page // math.gcd(row_bytes, page)  # rows between two page-aligned starts
     starts, map_at = [0], [0]
     end_row = rows[0]
     end_byte = headers[0] + rows[0] * row_bytes  # the previous file's mapping ends here
@@ -62,7 +63,6 @@ def layout(headers: Sequence[int], rows: Sequence[int], row_bytes: int,
         # the earliest row k >= end_row whose file mapping starts on a page at or after
         # first_page: headers[0] + k * row_bytes - h, a multiple of page, >= first_page
         k = max(end_row, -(-(first_page + h - headers[0]) // row_bytes))
-        step = page // math.gcd(row_bytes, page)  # rows between two page-aligned starts
         for _ in range(step):
             if (headers[0] + k * row_bytes - h) % page == 0:
                 break
