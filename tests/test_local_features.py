@@ -21,9 +21,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from procs import REPO, run_cli
+from test_page_cache import evict
 
 from common.errors import ConfigError
 from common.mfg import Block, SourceRows
+from common.page_cache import resident_fraction
 from partition.layout import PartitionSetMeta, load_partition
 from trainer_client.local_features import open_local_features
 from trainer_client.model import GraphSAGE, SAGEConv
@@ -250,7 +252,9 @@ def test_decision_names_why_and_maps_the_servers_set(cora_one_part):
     parts, cpu = str(cora_one_part), torch.device("cpu")
     info = _info(cora_one_part)
     used = open_local_features("auto", parts, info, cpu)
-    assert used.used and used.summary() == {"mode": "auto", "used": True}
+    warm = used.wait_warm(60)  # the part's file read into the page cache, in order
+    assert warm["done"] and warm["files"] == 1 and "error" not in warm, warm
+    assert used.used and used.summary() == {"mode": "auto", "used": True, "page_cache": warm}
     feat = load_partition(parts, 0).feat
     (matrix,) = used.matrices
     assert matrix.shape == feat.shape and torch.equal(matrix, torch.from_numpy(feat))
@@ -311,6 +315,8 @@ def test_worker_mode_trains_the_same_with_and_without_local_features(cora_one_pa
     auto = _summary(_worker(["--parts", str(cora_one_part), *SETTINGS], tmp_path))
     off = _summary(_worker(["--parts", str(cora_one_part), *SETTINGS,
                             "--local-features", "off"], tmp_path))
+    cached = auto["local_features"].pop("page_cache")
+    assert cached["done"] and cached["files"] == 1 and "error" not in cached, cached
     assert auto["local_features"] == {"mode": "auto", "used": True}, auto["local_features"]
     assert off["local_features"]["used"] is False
     # off: the features came in the ring (not counted in bytes_received, the socket's)
@@ -335,7 +341,10 @@ def test_decision_maps_every_part_or_names_the_missing_one(cora_two_parts, tmp_p
     parts, cpu, info = str(cora_two_parts), torch.device("cpu"), _info(cora_two_parts)
     used = open_local_features("auto", parts, info, cpu)
     assert used.used and len(used.matrices) == 2
-    assert used.summary() == {"mode": "auto", "used": True, "parts": 2, "joined": True}
+    warm = used.wait_warm(60)
+    assert warm["done"] and warm["files"] == 2 and "error" not in warm, warm
+    assert used.summary() == {"mode": "auto", "used": True, "parts": 2, "joined": True,
+                              "page_cache": warm}
     meta = PartitionSetMeta.load(parts)
     for p, matrix in enumerate(used.matrices):
         feat = torch.from_numpy(load_partition(parts, p).feat)
@@ -363,9 +372,18 @@ def test_worker_mode_reads_a_two_part_set_in_place(cora_two_parts, tmp_path):
     read both parts' features here, joined into one matrix, no ring; with off the servers
     gather them into the ring. The same seeds, MFGs and sums: the same loss and accuracy; on
     with a cache refuses, naming it."""
+    feats = [str(cora_two_parts / f"part-{p}" / "feat.npy") for p in range(2)]
+    for f in feats:  # as after another job: read in order before the first step
+        evict(f)
+    cold = [resident_fraction(f) for f in feats]
     auto = _summary(_worker(["--parts", str(cora_two_parts), *SETTINGS], tmp_path))
     off = _summary(_worker(["--parts", str(cora_two_parts), *SETTINGS,
                             "--local-features", "off"], tmp_path))
+    cached = auto["local_features"].pop("page_cache")
+    assert cached["done"] and cached["files"] == 2 and "error" not in cached, cached
+    if max(cold) <= 0.05:  # (where eviction works: each trainer found some of it cold)
+        assert cached["mb_read"] > 0, (cold, cached)
+    assert [resident_fraction(f) for f in feats] == [1.0, 1.0]
     assert auto["num_parts"] == 2 and auto["local_features"] == {
         "mode": "auto", "used": True, "parts": 2, "joined": True}, auto["local_features"]
     assert auto["shm_ring"] is None and off["shm_ring"]["replies_in_ring"] > 0

@@ -221,6 +221,8 @@ def test_default_synthetic_dataset(extra, tmp_path):
     local = summary["local_features"]
     if on_cpu and not extra:
         # (the default set's two parts' feature files mapped as one matrix)
+        cached = local.pop("page_cache")  # (read in order before the first step)
+        assert cached["done"] and cached["files"] == 2 and "error" not in cached, cached
         assert local == {"mode": "auto", "used": True, "parts": 2, "joined": True}, local
         assert summary["shm_ring"] is None, summary["shm_ring"]
         _assert_clean(tmp_path, str(work))

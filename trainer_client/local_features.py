@@ -12,6 +12,13 @@ allows (common/joined_rows.py: one address range, no copy), so the mean reads on
 with a one-part set; else it reads them part by part. DGL's in-process pipeline reads its
 feature tensor the same way.
 
+The servers no longer read ``feat.npy``, so nothing keeps it in the page cache; a map's
+random reads of a file the cache has lost fault it in a page at a time (the first step 20x
+slower, common/page_cache.py). The files' missing blocks are read in order in a background
+thread from the moment they are mapped (:class:`~common.page_cache.Warmer`), and the trainer
+waits for that pass before its first step (:meth:`LocalFeatures.wait_warm`), as DGL's
+pipeline loads its features before its first.
+
 It applies (``auto``) to a CPU trainer of a homogeneous float32 set whose parts it can all
 open here with the servers' ``set_id``, without a feature cache or ``--feat-transfer``,
 whose model reads source rows (GraphSAGE); ``on`` insists (a clear error naming what is
@@ -31,7 +38,10 @@ from torch import Tensor
 from common.config import LOCAL_FEATURE_MODES
 from common.errors import ConfigError
 from common.joined_rows import JoinedRows, join
+from common.page_cache import Warmer
 from partition.layout import PartitionSetMeta, load_partition
+
+WARM_WAIT_S = 300.0  # the longest a trainer waits for its files' pass into the page cache
 
 
 @dataclass
@@ -45,6 +55,8 @@ class LocalFeatures:
     # several parts' maps as one matrix (common/joined_rows.py), where they could be joined
     joined: JoinedRows | None = None
     joined_reason: str = ""  # why not joined, where used without
+    # the files read into the page cache in order before the first step (where used)
+    warmer: Warmer | None = None
 
     @property
     def used(self) -> bool:
@@ -59,7 +71,14 @@ class LocalFeatures:
             out["joined"] = self.joined is not None
             if self.joined_reason:
                 out["joined_reason"] = self.joined_reason
+        if self.warmer is not None:
+            out["page_cache"] = self.warmer.summary()
         return out
+
+    def wait_warm(self, timeout: float | None = WARM_WAIT_S) -> dict | None:
+        """Wait (at most ``timeout`` seconds; the pass goes on after) for the files' pass into
+        the page cache; its summary, or None where the features are not read here."""
+        return self.warmer.wait(timeout) if self.warmer is not None else None
 
 
 def _why_not(parts: str, info, device: torch.device, *, cache_ratio: float,
@@ -135,5 +154,6 @@ def open_local_features(mode: str, parts: str, info, device: torch.device, *,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only map; never written
             matrices.append(torch.from_numpy(feat))
+    warmer = Warmer([str(m.filename) for m in maps])
     joined, why_not_joined = join(maps, info.node_offsets) if len(maps) > 1 else (None, "")
-    return LocalFeatures(mode, matrices, "", joined, why_not_joined)
+    return LocalFeatures(mode, matrices, "", joined, why_not_joined, warmer)

@@ -1005,6 +1005,18 @@ def _ring_summary(run: Run, ring) -> dict | None:
             "replies_in_ring": st.ring_hits, "requests_without_slot": st.ring_misses}
 
 
+def _wait_warm(local: LocalFeatures) -> None:
+    """Before the first step: the set's feature files read into the page cache in order
+    (trainer_client/local_features.py), where the trainer reads them in place."""
+    if local.warmer is None:
+        return
+    if not local.warmer.done:
+        log.info("reading the partition set's features into the page cache (%.0f MB)",
+                 sum(os.path.getsize(p) for p in local.warmer.paths) / 1e6)
+    s = local.wait_warm()
+    log.info("page cache: %s", dumps_strict(s))
+
+
 def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> dict:
     t_start = time.perf_counter()
     PRODUCTS_RUN.clear()  # the summary counts this run's products only
@@ -1018,6 +1030,7 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> 
         # no ring where the servers send no features
         ring = None if local.used else make_ring(cfg, info, device)
         run = _build_run(cfg, ddp, device, pool, info, plan, ring, local)
+        _wait_warm(local)
         fit = _fit(run, _start(run, plan, ckpt))
         del ckpt
         summary = _summarize(run, t_start, ring, fit, plan.get("checkpoint"))
