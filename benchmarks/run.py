@@ -389,7 +389,9 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
         argv += ["--feat-transfer", args.feat_transfer]
     if args.worker_work_dir:
         argv += ["--work-dir", args.worker_work_dir]
+    release_memory()
     log("worker-mode: " + " ".join(argv[1:]))
+    parent_rss = _rss_mb()
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
                             text=True, cwd=REPO)
@@ -427,8 +429,18 @@ def run_worker_mode(parts: Path, args: argparse.Namespace, dropout: float,
     res.update(dropout=dropout, matmul_precision=precision, batch_size_per_trainer=batch_size,
                total_batch_size=batch_size * num_trainers,
                num_threads_arg=args.num_threads, exit_code=proc.returncode,
-               subprocess_wall_s=round(wall, 3))
+               subprocess_wall_s=round(wall, 3), bench_process_rss_mb=parent_rss)
     return res
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory (MB), beside which a worker-mode run ran."""
+    try:
+        import psutil
+
+        return round(psutil.Process().memory_info().rss / 1e6, 1)
+    except Exception:  # noqa: BLE001 - evidence only
+        return None
 
 
 #: what each measurement records of the machine around it, beside its figures: the 1-minute
@@ -574,9 +586,7 @@ def measure_rounds(steps: Steps, family: str, parts: Path, args: argparse.Namesp
     sides = [s for s in ("dgl-train", "worker") if s not in args.skip]  # the --skip names
     if args.rounds < 2 or not sides:
         return
-    fg = _load_full_graph(parts) if "dgl-train" in sides else None
-    if fg is not None:
-        _dgl_warmup(fg, args)
+    dgl = _DGLGraph(parts, args)
     for r in range(2, args.rounds + 1):
         suffix = f"_r{r}"
         log(f"{family}: round {r} of {args.rounds}, "
@@ -584,12 +594,45 @@ def measure_rounds(steps: Steps, family: str, parts: Path, args: argparse.Namesp
         for p, q in variants(args):
             for side in (sides[::-1] if r % 2 == 0 else sides):
                 if side == "dgl-train":
-                    _dgl_train(steps, family, fg, args, p, suffix, q)
+                    _dgl_train(steps, family, dgl.get(), args, p, suffix, q)
                 else:
+                    dgl.release()  # (worker mode runs with DGL's graph freed: see _DGLGraph)
                     steps.run(family, f"worker_mode_{dlabel(p, q)}{suffix}",
                               lambda p=p, q=q: run_worker_mode(parts, args, p, precision=q))
-    del fg
+    dgl.release()
+
+
+class _DGLGraph:
+    """DGL's full graph for the rounds' DGL runs, loaded (and warmed up, untimed) when a DGL
+    run needs it and freed before each worker-mode run: each side runs with the other's
+    memory returned. Worker mode run beside this process holding DGL's graph (1.5 GB of
+    heap, idle) trained 13-20% slower on the products-shaped graph (forward/backward 3.2-3.4
+    s against 2.8-2.9 s; docs/benchmarks.md, "Issue 14, session 57"), and DGL's runs never
+    have worker mode's memory beside them."""
+
+    def __init__(self, parts: Path, args: argparse.Namespace):
+        self.parts, self.args, self.fg = parts, args, None
+
+    def get(self):
+        if self.fg is None:
+            self.fg = _load_full_graph(self.parts)
+            _dgl_warmup(self.fg, self.args)
+        return self.fg
+
+    def release(self) -> None:
+        if self.fg is not None:
+            self.fg = None
+        release_memory()
+
+
+def release_memory() -> None:
+    """This process's garbage collected and its heap's free memory returned to the OS
+    (``--malloc-retain-mb`` keeps it otherwise): before each worker-mode run, which should
+    not run beside the memory DGL's side left here."""
+    from common.alloc import return_freed_memory
+
     gc.collect()
+    return_freed_memory()
 
 
 def measure_mfgserve(steps: Steps, family: str, parts: Path, args: argparse.Namespace,
@@ -954,7 +997,7 @@ def measure_family(steps: Steps, family: str, parts: Path, args: argparse.Namesp
                    sample_batches: int) -> None:
     if "dgl-train" not in args.skip or "dgl-sample" not in args.skip:
         measure_dgl(steps, family, parts, args, sample_batches)
-        gc.collect()
+        release_memory()
     measure_mfgserve(steps, family, parts, args, sample_batches)
     measure_rounds(steps, family, parts, args)
     if "ddp" not in args.skip:

@@ -61,3 +61,11 @@ def retain_freed_memory(retain_mb: int, who: str = "this process") -> bool:
                     "large tensors are allocated and freed by the C library's defaults",
                     who, retain_mb)
     return ok
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free memory back to the OS (glibc's ``malloc_trim(0)``), what
+    ``retain_mb`` kept: True where some was returned; False where none was, or the C library
+    is not glibc."""
+    libc = _libc()
+    return bool(libc is not None and hasattr(libc, "malloc_trim") and libc.malloc_trim(0))
