@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from common.mfg import SourceRows, owners
+from common.page_cache import linux_libc
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x01, 0x02, 0x10
@@ -96,25 +97,13 @@ class JoinedRows:
         return SourceRows(self.matrix, self.rows_of(ids))
 
 
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
 def join(arrays: Sequence[np.memmap], offsets: Sequence[int]) -> tuple[JoinedRows | None, str]:
     """The parts' feature arrays (``np.load(..., mmap_mode="r")`` of each ``feat.npy``, one
     dtype and width, C order) mapped as one matrix: ``(JoinedRows, "")``, or ``(None, why
     not)``. The range is unmapped when the last tensor over it is freed."""
     if len(arrays) < 2:
         return None, "one part"
-    libc = _libc()
+    libc = linux_libc()
     if libc is None:
         return None, f"no mmap with MAP_FIXED on {sys.platform}"
     first = arrays[0]

@@ -29,7 +29,8 @@ BLOCK = 8 << 20  # bytes per read
 _PROT_READ, _MAP_SHARED = 1, 0x01
 
 
-def _libc():
+def linux_libc():
+    """The C library with ``mmap``, ``munmap`` and ``mincore`` typed, on Linux; else None."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None, use_errno=True)
@@ -47,7 +48,7 @@ def resident(path: str) -> np.ndarray | None:
     """Which of ``path``'s pages are in the page cache now (a bool per page of
     ``mmap.PAGESIZE`` bytes), or None where it cannot be asked (not Linux, or ``mincore``
     failed). Maps the file without touching it: asking loads nothing."""
-    libc = _libc()
+    libc = linux_libc()
     if libc is None:
         return None
     size = os.path.getsize(path)

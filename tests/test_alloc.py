@@ -67,3 +67,35 @@ def test_out_of_range_is_a_clear_error(cli, flag, tmp_path):
                           capture_output=True, text=True, timeout=100, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--malloc-retain-mb must be in 0..2047" in proc.stderr, proc.stderr[-2000:]
+
+
+TRIM_PROBE = r"""
+import ctypes, json
+from common.alloc import retain_freed_memory, return_freed_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+retain_freed_memory(256, "probe")
+p = libc.malloc(48 << 20)
+libc.free(p)
+kept = libc.mallinfo2().fordblks  # free bytes the heap keeps
+returned = return_freed_memory()
+print(json.dumps({"kept": kept, "returned": returned, "after": libc.mallinfo2().fordblks}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _glibc(), reason="malloc_trim is glibc's")
+def test_freed_memory_kept_by_retain_goes_back_to_the_os():
+    """What ``--malloc-retain-mb`` kept, ``return_freed_memory`` hands back (benchmarks.run
+    does so before each worker-mode run): the heap keeps no more than a page or so free."""
+    proc = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["kept"] >= 48 << 20 and got["returned"] is True, got
+    assert got["after"] < 1 << 20, got
