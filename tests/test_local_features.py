@@ -251,9 +251,15 @@ def _info(parts: Path, **kw) -> SimpleNamespace:
 def test_decision_names_why_and_maps_the_servers_set(cora_one_part):
     parts, cpu = str(cora_one_part), torch.device("cpu")
     info = _info(cora_one_part)
+    feat_file = str(cora_one_part / "part-0" / "feat.npy")
+    evict(feat_file)  # as after another job, or the VM's reclaim
+    cold = resident_fraction(feat_file)
     used = open_local_features("auto", parts, info, cpu)
     warm = used.wait_warm(60)  # the part's file read into the page cache, in order
     assert warm["done"] and warm["files"] == 1 and "error" not in warm, warm
+    if cold == 0.0:  # (where eviction works) the whole file was read, and is cached now
+        assert warm["mb_read"] == warm["mb"] > 0, warm
+    assert resident_fraction(feat_file) == 1.0
     assert used.used and used.summary() == {"mode": "auto", "used": True, "page_cache": warm}
     feat = load_partition(parts, 0).feat
     (matrix,) = used.matrices
@@ -379,10 +385,10 @@ def test_worker_mode_reads_a_two_part_set_in_place(cora_two_parts, tmp_path):
     auto = _summary(_worker(["--parts", str(cora_two_parts), *SETTINGS], tmp_path))
     off = _summary(_worker(["--parts", str(cora_two_parts), *SETTINGS,
                             "--local-features", "off"], tmp_path))
+    # (rank 0's pass; which trainer read the evicted files first is a race: the reading
+    # itself is checked in test_decision_names_why_and_maps_the_servers_set)
     cached = auto["local_features"].pop("page_cache")
-    assert cached["done"] and cached["files"] == 2 and "error" not in cached, cached
-    if max(cold) <= 0.05:  # (where eviction works: each trainer found some of it cold)
-        assert cached["mb_read"] > 0, (cold, cached)
+    assert cached["done"] and cached["files"] == 2 and "error" not in cached, (cold, cached)
     assert [resident_fraction(f) for f in feats] == [1.0, 1.0]
     assert auto["num_parts"] == 2 and auto["local_features"] == {
         "mode": "auto", "used": True, "parts": 2, "joined": True}, auto["local_features"]

@@ -46,7 +46,9 @@ def test_warmer_reads_a_cold_file_in_and_then_nothing(tmp_path):
     assert resident_fraction(path) <= 0.05
     s = Warmer([path], block=1 << 20).wait(30)
     assert s["done"] and "error" not in s and "reason" not in s, s
-    assert s["files"] == 1 and s["mb_read"] == s["mb"] == round((24 << 20) / 1e6, 1), s
+    # (at most 5 % was resident after the eviction: _cold_file)
+    assert s["files"] == 1 and s["mb"] == round((24 << 20) / 1e6, 1), s
+    assert 0.95 * s["mb"] <= s["mb_read"] <= s["mb"], s
     assert resident_fraction(path) == 1.0
     again = Warmer([path]).wait(30)
     assert again["done"] and again["mb_read"] == 0.0, again
@@ -55,18 +57,20 @@ def test_warmer_reads_a_cold_file_in_and_then_nothing(tmp_path):
 @pytest.mark.timeout(60)
 def test_warmer_reads_only_the_missing_blocks(tmp_path):
     block = 1 << 20
-    path = _cold_file(tmp_path, 16 * block + 123)  # a short last block
+    path = _cold_file(tmp_path, 64 * block + 123)  # a short last block
     with open(path, "rb") as f:  # blocks 0-7 read: cached
         f.read(8 * block)
     r = resident(path)
     if not r[: 8 * block // mmap.PAGESIZE].all():
         pytest.skip("the page cache did not keep what was just read")
-    missing = 8 * block + 123
+    # the kernel's read-ahead may go on caching blocks past block 7 meanwhile (read_ahead_kb:
+    # up to 8 MiB here), never the 56 MiB after them
     w = Warmer([path], block=block)
     s = w.wait(30)
     assert s["done"] and "error" not in s, s
-    # read ahead may have cached a little past block 7; at most the last 8 blocks were read
-    assert 0 < w.bytes_read <= missing, (w.bytes_read, missing)
+    # the cached blocks were not read again; some of the rest were
+    assert 0 < w.bytes_read <= 56 * block + 123, w.bytes_read
+    assert (w.bytes_read - 123) % block == 0, w.bytes_read  # whole blocks, the short last one
     assert resident_fraction(path) == 1.0
 
 
