@@ -620,8 +620,7 @@ class _DGLGraph:
         return self.fg
 
     def release(self) -> None:
-        if self.fg is not None:
-            self.fg = None
+        self.fg = None
         release_memory()
 
 

@@ -11,9 +11,10 @@ import sys
 import pytest
 from procs import REPO
 
-PROBE = r"""
+# glibc's malloc, free and mallinfo2 (its accounting), typed, for the probes below
+LIBC_PRELUDE = r"""
 import ctypes, json, sys
-from common.alloc import retain_freed_memory
+from common.alloc import retain_freed_memory, return_freed_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -21,6 +22,9 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
+"""
+
+PROBE = LIBC_PRELUDE + r"""
 ok = retain_freed_memory(int(sys.argv[1]), "probe")
 p = libc.malloc(48 << 20)  # a 48 MiB tensor's buffer
 mmapped = libc.mallinfo2().hblkhd
@@ -69,16 +73,7 @@ def test_out_of_range_is_a_clear_error(cli, flag, tmp_path):
     assert "--malloc-retain-mb must be in 0..2047" in proc.stderr, proc.stderr[-2000:]
 
 
-TRIM_PROBE = r"""
-import ctypes, json
-from common.alloc import retain_freed_memory, return_freed_memory
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
+TRIM_PROBE = LIBC_PRELUDE + r"""
 retain_freed_memory(256, "probe")
 p = libc.malloc(48 << 20)
 libc.free(p)
