@@ -187,9 +187,10 @@ CPU_GEMM_HELP = (
     "typed layers'; the products stay float32 either way, only the order of their sums "
     "differs): mkl is torch's own (MKL, as DGL's pipeline multiplies); onednn is oneDNN's "
     "matmul, which runs AVX-512 kernels on AMD CPUs, where MKL runs AVX2 ones (the seed "
-    "model's step about a fifth shorter on an AMD EPYC, docs/tuning.md); auto takes onednn on an "
-    "AMD CPU with AVX-512 and mkl elsewhere (decided from the CPU, not by timing, so runs "
-    "repeat to the bit). No effect on a GPU or where --matmul-precision medium multiplies "
+    "model's step about a fifth shorter on a Zen 5 AMD EPYC, docs/tuning.md); auto takes onednn "
+    "on an AMD CPU of cpu family 26 or later (Zen 5) with AVX-512 and mkl elsewhere, Zen 4 "
+    "included, whose AVX-512 multiplies at AVX2's rate (decided from the CPU, not by timing, so "
+    "runs repeat to the bit). No effect on a GPU or where --matmul-precision medium multiplies "
     "in bfloat16")
 
 

@@ -89,16 +89,20 @@ def test_onednn_weight_and_bias_gradients_where_asked(cpu_gemm, weights_grad, bi
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("vendor,flags,want", [
-    ("AuthenticAMD", {"avx2", "avx512f"}, True),   # MKL would run AVX2 kernels there
-    ("AuthenticAMD", {"avx2"}, False),             # no AVX-512 for oneDNN to use
-    ("GenuineIntel", {"avx2", "avx512f"}, False),  # MKL runs AVX-512 itself
-    ("", set(), False),                            # no /proc/cpuinfo
+@pytest.mark.parametrize("vendor,family,flags,want", [
+    ("AuthenticAMD", 26, {"avx2", "avx512f"}, True),   # Zen 5: MKL would run AVX2 kernels
+    ("AuthenticAMD", 25, {"avx2", "avx512f"}, False),  # Zen 4: AVX-512 at AVX2's rate
+    ("AuthenticAMD", None, {"avx2", "avx512f"}, False),  # family unknown
+    ("AuthenticAMD", 26, {"avx2"}, False),             # no AVX-512 for oneDNN to use
+    ("GenuineIntel", 6, {"avx2", "avx512f"}, False),   # MKL runs AVX-512 itself
+    ("", None, set(), False),                          # no /proc/cpuinfo
 ])
-def test_auto_decides_from_the_cpu_alone(cpu_gemm, monkeypatch, vendor, flags, want):
-    """``auto`` takes oneDNN exactly on an AMD CPU with AVX-512 (from /proc/cpuinfo, no
-    timing: every run on a machine multiplies the same way), and says so in the summary."""
+def test_auto_decides_from_the_cpu_alone(cpu_gemm, monkeypatch, vendor, family, flags, want):
+    """``auto`` takes oneDNN exactly on an AMD CPU of family 26 or later with AVX-512 (from
+    /proc/cpuinfo, no timing: every run on a machine multiplies the same way), and says so
+    in the summary."""
     monkeypatch.setattr(model_mod, "_cpu_info", lambda: (vendor, frozenset(flags)))
+    monkeypatch.setattr(model_mod, "_cpu_family", lambda: family)
     monkeypatch.setattr(model_mod, "_ONEDNN_AUTO", None)
     cpu = torch.device("cpu")
     assert model_mod.cpu_gemm_auto() is (want and torch.backends.mkldnn.is_available())
@@ -117,9 +121,12 @@ def test_cpu_info_reads_vendor_and_flags():
         text = open("/proc/cpuinfo").read()
     except OSError:
         assert (vendor, flags) == ("", frozenset())
+        assert model_mod._cpu_family() is None
         return
     assert vendor and vendor in text
     assert flags and all(f in text for f in list(flags)[:5])
+    family = model_mod._cpu_family()
+    assert family is None or f"cpu family\t: {family}\n" in text
 
 
 def test_bad_cpu_gemm_is_a_clear_error(cpu_gemm):

@@ -220,6 +220,18 @@ def _cpu_info() -> tuple[str, frozenset[str]]:
     return cpu.get("vendor_id", ""), frozenset(cpu.get("flags", "").split())
 
 
+#: the first AMD ``cpu family`` whose AVX-512 runs at full width (Zen 5), where ``--cpu-gemm
+#: auto`` takes oneDNN (:func:`cpu_gemm_auto`)
+ONEDNN_MIN_AMD_FAMILY = 26
+
+
+@functools.cache
+def _cpu_family() -> int | None:
+    """The first CPU's ``cpu family`` in Linux's /proc/cpuinfo; None without it."""
+    value = first_cpu().get("cpu family", "")
+    return int(value) if value.isdigit() else None
+
+
 def set_cpu_gemm(mode: str) -> None:
     """``--cpu-gemm`` for this process: which library multiplies the model's float32
     products on the CPU (:func:`float32_library`). ``onednn`` needs a torch built with it."""
@@ -233,19 +245,26 @@ def set_cpu_gemm(mode: str) -> None:
 
 def cpu_gemm_auto() -> bool:
     """Whether ``--cpu-gemm auto`` sends the float32 products to oneDNN on this CPU: an AMD
-    CPU with AVX-512 (``/proc/cpuinfo``'s vendor and flags) and a torch with oneDNN.
+    CPU of ``cpu family`` 26 or later (Zen 5) with AVX-512 (``/proc/cpuinfo``'s vendor,
+    family and flags) and a torch with oneDNN.
 
     torch multiplies float32 through MKL, which picks its kernels by vendor: on an AMD CPU
     its AVX2 ones, while oneDNN picks by instruction set and runs AVX-512 kernels. On
     session 50's AMD EPYC (Zen 5, 2 cores) the seed model's product shapes ran at 1.3-2.2x
     MKL's rate through oneDNN (forward products and input gradients; the weight gradients,
-    by oneDNN's inner-product backward, 1.1-2.3x). On Intel CPUs MKL
-    already runs AVX-512. Decided from the CPU rather than by timing, so that every run on
-    one machine multiplies the same way and repeats its losses to the bit."""
+    by oneDNN's inner-product backward, 1.1-2.3x). Zen 4 (``cpu family`` 25) has AVX-512 but
+    executes each 512-bit operation as two 256-bit halves, so its multiply-add rate is
+    AVX2's: on session 59's Zen 4 (``model`` 17) MKL was ahead, the step alone 5-7 %
+    shorter and worker mode 10-15 % faster (docs/benchmarks.md, "Issue 14, session 59").
+    On Intel CPUs MKL already runs AVX-512. Decided from the CPU rather than by timing, so
+    that every run on one machine multiplies the same way and repeats its losses to the
+    bit."""
     global _ONEDNN_AUTO
     if _ONEDNN_AUTO is None:
         vendor, flags = _cpu_info()
+        family = _cpu_family()
         _ONEDNN_AUTO = (vendor == "AuthenticAMD" and "avx512f" in flags
+                        and family is not None and family >= ONEDNN_MIN_AMD_FAMILY
                         and torch.backends.mkldnn.is_available())
     return _ONEDNN_AUTO
 
