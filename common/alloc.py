@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+import time
 
 from common.errors import ConfigError
 
@@ -69,3 +71,105 @@ def return_freed_memory() -> bool:
     is not glibc."""
     libc = _libc()
     return bool(libc is not None and hasattr(libc, "malloc_trim") and libc.malloc_trim(0))
+
+
+#: the smallest estimate :class:`HeapPrefault` acts on: below it a first step's fresh pages
+#: cost a few milliseconds at most
+PREFAULT_MIN_MB = 16
+PREFAULT_MARGIN_MB = 16  # kept below the retain threshold: a block at it would be mmapped
+
+
+def step_heap_mb(batch_size: int, fanouts: list[int], num_nodes: int, in_width: int,
+                 hidden: int) -> int:
+    """An upper bound, in MiB, on the heap a CPU training step of a layered GNN allocates:
+    its input layer's destination rows (the sources of the layers above: ``batch_size``
+    times ``1 + fanout`` for each fanout after the input layer's, and never more than the
+    graph's nodes) times two ``in_width`` copies (the self term and the mean) and three
+    ``hidden`` ones (the output, its gradient and the mean's backward), float32."""
+    rows = min(batch_size, num_nodes)
+    for f in fanouts[1:]:
+        rows = num_nodes if f < 0 else min(num_nodes, rows * (1 + f))
+    return -(-(rows * (2 * in_width + 3 * hidden) * 4) // (1 << 20))
+
+
+class HeapPrefault:
+    """Faults in ``mb`` MiB of this process's heap in a background thread, so that the first
+    training steps find their pages mapped.
+
+    A fresh process's first steps allocate the step's whole working set (activations and
+    gradients, 100-250 MB for the benchmark graphs) from pages the kernel has never given it.
+    On a VM each first touch of a page costs several microseconds (session 59's AMD EPYC VM:
+    about 10, with 28-51k faults in the first step: it took 250-490 ms against the 70-165 of
+    the steps after it). Here the calling thread (the trainer's main thread, whose allocations
+    the step's tensors come from) allocates one ``mb`` MiB block from glibc's main heap (no
+    page is touched yet), and a thread writes every page of it and frees it. With
+    :func:`retain_freed_memory` in effect (``mb`` below its thresholds) glibc keeps the freed
+    block in the heap, where the step's tensors are then carved from mapped pages. The thread
+    runs on a core the trainer's setup leaves idle (its main thread's setup is serial Python)
+    and ends before the first step on the benchmark graphs; a step that comes first simply
+    faults its own pages, as without it.
+
+    Only with glibc: elsewhere (or if the block cannot be had) it does nothing and
+    :attr:`reason` says why."""
+
+    def __init__(self, mb: int):
+        self.mb = 0
+        self.seconds = 0.0
+        self.reason = ""
+        self._thread: threading.Thread | None = None
+        libc = _libc()
+        if libc is None or not hasattr(libc, "malloc") or not hasattr(libc, "free"):
+            self.reason = "not glibc"
+            return
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        size = int(mb) << 20
+        ptr = libc.malloc(size)  # the main heap's block: nothing touched yet
+        if not ptr:
+            self.reason = f"malloc of {mb} MiB failed"
+            return
+        self.mb = int(mb)
+        self._thread = threading.Thread(target=self._touch, args=(libc, ptr, size),
+                                        name="mfgserve-heap-prefault", daemon=True)
+        self._thread.start()
+
+    def _touch(self, libc, ptr: int, size: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            ctypes.memset(ptr, 0, size)  # (ctypes releases the GIL for the call)
+        finally:
+            libc.free(ptr)  # back into the main heap, where retain keeps it
+            self.seconds = time.perf_counter() - t0
+
+    @property
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def summary(self, at_first_step: bool | None = None) -> dict:
+        """What it did, for a run's summary: ``mb`` (0: nothing), the thread's seconds, and
+        whether it had finished when training started (``at_first_step``), or ``reason``."""
+        out: dict = {"mb": self.mb, "s": round(self.seconds, 3), "done": self.done}
+        if at_first_step is not None:
+            out["done_before_training"] = at_first_step
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def prefault_step_heap(retained_mb: int, estimate_mb: int) -> HeapPrefault | dict:
+    """A :class:`HeapPrefault` of ``estimate_mb`` (:func:`step_heap_mb`), capped below the
+    ``--malloc-retain-mb`` that took effect (``retained_mb``, 0 where it did not); or, where
+    it would not apply, a summary dict saying why."""
+    if retained_mb <= 0:
+        return {"mb": 0, "reason": "--malloc-retain-mb not in effect: a freed block would "
+                                   "go back to the OS"}
+    mb = min(estimate_mb, retained_mb - PREFAULT_MARGIN_MB)
+    if mb < PREFAULT_MIN_MB:
+        return {"mb": 0, "reason": f"the step's heap ({estimate_mb} MiB, capped at "
+                                   f"{max(mb, 0)} MiB) is below {PREFAULT_MIN_MB} MiB"}
+    return HeapPrefault(mb)

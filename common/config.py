@@ -284,7 +284,11 @@ class TrainerConfig:
         "CPU so co-located processes do not oversubscribe it, and 1 on a GPU")
     matmul_precision: str = opt("highest", MATMUL_PRECISION_HELP, choices=MATMUL_PRECISIONS)
     cpu_gemm: str = opt("auto", CPU_GEMM_HELP, choices=CPU_GEMMS)
-    malloc_retain_mb: int = opt(DEFAULT_RETAIN_MB, RETAIN_HELP)
+    malloc_retain_mb: int = opt(
+        DEFAULT_RETAIN_MB, RETAIN_HELP + ". A CPU trainer also faults in its first steps' "
+        "heap (an estimate of the step's working set, at most N - 16 MiB) in a background "
+        "thread during its setup, so the first steps do not pay those page faults "
+        "(summary: heap_prefault); 0 turns that off as well")
     eval_every: int = opt(1, "evaluate on valid/test every N epochs (0: only after the last)")
     seed: int = opt(0, "random seed for shuffling, model init and dropout")
     run_dir: str = opt(

@@ -94,3 +94,59 @@ def test_freed_memory_kept_by_retain_goes_back_to_the_os():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["kept"] >= 48 << 20 and got["returned"] is True, got
     assert got["after"] < 1 << 20, got
+
+
+PREFAULT_PROBE = LIBC_PRELUDE + r"""
+import resource
+from common.alloc import HeapPrefault
+retain_freed_memory(256, "probe")
+if sys.argv[1] == "1":
+    pf = HeapPrefault(64)
+    pf.wait(60)
+    done = pf.done
+else:
+    done = None
+size = 48 << 20  # a 48 MiB tensor's buffer, allocated after the prefault and written
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+p = libc.malloc(size)
+ctypes.memset(p, 1, size)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"faults": faults, "pages": size // 4096, "done": done}))
+"""
+
+
+def _prefault_probe(on: bool) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PREFAULT_PROBE, "1" if on else "0"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _glibc(), reason="the prefault uses glibc's heap")
+def test_prefaulted_heap_serves_the_next_block_without_page_faults():
+    """A block allocated after :class:`HeapPrefault` is done comes from pages already mapped
+    (almost no page faults when it is written); without it every page faults once."""
+    cold = _prefault_probe(False)
+    assert cold["faults"] > cold["pages"] * 3 // 4, cold
+    warm = _prefault_probe(True)
+    assert warm["done"] is True, warm
+    assert warm["faults"] < warm["pages"] // 10, warm
+
+
+def test_step_heap_estimate_and_when_the_prefault_applies():
+    from common.alloc import HeapPrefault, prefault_step_heap, step_heap_mb
+
+    # input layer's destinations: 1024 x 11 x 6 (fanouts after the input layer's 15: 10, 5)
+    rows = 1024 * 11 * 6
+    assert step_heap_mb(1024, [15, 10, 5], 10 ** 6, 100, 256) == -(-(rows * 968 * 4) >> 20)
+    assert step_heap_mb(1024, [15, 10, 5], 3000, 100, 256) == -(-(3000 * 968 * 4) >> 20)
+    assert step_heap_mb(8, [5, -1], 500, 10, 16) == -(-(500 * 68 * 4) >> 20)  # -1: all nodes
+    off = prefault_step_heap(0, 200)
+    assert off["mb"] == 0 and "--malloc-retain-mb" in off["reason"]
+    small = prefault_step_heap(256, 8)
+    assert small["mb"] == 0 and "below 16 MiB" in small["reason"]
+    capped = prefault_step_heap(64, 500)  # under the retain threshold, or glibc would mmap it
+    assert isinstance(capped, HeapPrefault) and capped.mb == 48
+    capped.wait(60)
+    assert capped.done and capped.summary()["mb"] == 48

@@ -178,6 +178,26 @@ def test_cuda_trainer_on_the_default_path(cache_ratio, tmp_path):
     _assert_clean(tmp_path, str(work))
 
 
+@pytest.mark.timeout(300)
+def test_cpu_trainer_prefaults_its_first_steps_heap(tmp_path):
+    """The README's default path on the CPU (local features, glibc): a graph whose step needs
+    more than 16 MiB of heap gets that heap faulted in during the trainer's setup
+    (common/alloc.py HeapPrefault), and the summary says how much and that it finished."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU trainer's step lives in device memory")
+    work = tmp_path / "work"
+    proc = _worker(["--work-dir", str(work), "--synthetic-nodes", "20000", "--epochs", "1",
+                    "--batch-size", "1024", "--no-progress"], tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = _summary(proc.stdout)
+    hp = summary["heap_prefault"]
+    # 20,000 destination rows (the whole graph) x (2 x features + 3 x hidden) float32: over
+    # the 16 MiB floor, under the 256 MiB retained (less a 16 MiB margin)
+    assert 16 <= hp["mb"] <= 240 and hp["done"] is True and "reason" not in hp, hp
+    assert isinstance(hp["done_before_training"], bool), hp
+    _assert_clean(tmp_path, str(work))
+
+
 #: the two ways the features reach a CPU trainer in worker mode: read from the parts' files
 #: here (--local-features auto, the default; no ring) and gathered by the servers into the
 #: shared-memory ring (off; a GPU trainer's default)
@@ -198,6 +218,9 @@ def test_default_synthetic_dataset(extra, tmp_path):
     if summary["device"] == "cpu":  # nothing to copy: no copy time, no hidden share
         assert summary["stages_s"]["h2d_copy_s"] == 0 and summary["h2d_hidden_share"] is None
     assert summary["malloc_retain_mb"] == 256, summary  # the default took effect (glibc)
+    if summary["device"] == "cpu":  # a 3,000-node graph's step: too small to prefault
+        hp = summary["heap_prefault"]
+        assert hp["mb"] == 0 and "below 16 MiB" in hp["reason"], hp
     # one trainer with cores threads: libgomp's default wait policy (deploy/worker_mode.py's
     # child_env), unless the user set one
     assert summary["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "default"), summary

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.alloc import retain_freed_memory
+from common.alloc import HeapPrefault, prefault_step_heap, retain_freed_memory, step_heap_mb
 from common.cluster import ClusterSpec
 from common.config import (
     GPU_TRAINER_THREADS,
@@ -352,6 +352,10 @@ class Run:
     task: Task = field(default_factory=Task)  # the set's task: loss and metric (metrics.py)
     profiler: StepProfiler | None = None  # --profile-steps, rank 0 (profiling.py)
     local: LocalFeatures | None = None  # --local-features as decided (local_features.py)
+    # the first steps' heap faulted in beforehand (common/alloc.py HeapPrefault), or why not;
+    # and whether it had finished when training started
+    prefault: HeapPrefault | dict | None = None
+    prefault_ready: bool | None = None
 
     @property
     def metric(self) -> str:
@@ -942,6 +946,9 @@ def _summarize(run: Run, t_start: float, ring, fit: FitState, resumed: str | Non
         "h2d_hidden_share": _round_or_none(hidden_share(
             stages["h2d_s"], stages["h2d_wait_s"], stages["h2d_copy_s"])),
         "malloc_retain_mb": _RETAINED_MB,  # 0: the allocator's defaults (see common/alloc.py)
+        # the first steps' heap faulted in during setup (common/alloc.py HeapPrefault): MiB,
+        # the thread's seconds, whether it was done when training started; or why not
+        "heap_prefault": _prefault_summary(run),
         # OpenMP's wait policy for this rank's torch threads (worker mode chooses it per
         # role, deploy/worker_mode.py's child_env); "default": not set, libgomp's own
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
@@ -1017,6 +1024,24 @@ def _wait_warm(local: LocalFeatures) -> None:
     log.info("page cache: %s", dumps_strict(s))
 
 
+def _prefault_heap(cfg: TrainerConfig, info, device: torch.device) -> HeapPrefault | dict:
+    """On a CPU trainer, fault in the heap its first steps will use while the rest of its
+    setup runs (common/alloc.py :class:`HeapPrefault`, sized by :func:`step_heap_mb`);
+    a GPU trainer's step lives in device memory."""
+    if device.type != "cpu":
+        return {"mb": 0, "reason": f"the step runs on {device.type}"}
+    estimate = step_heap_mb(cfg.batch_size, cfg.fanouts, info.num_nodes,
+                            info.feat_dim + cfg.node_emb_dim, cfg.hidden)
+    return prefault_step_heap(_RETAINED_MB, estimate)
+
+
+def _prefault_summary(run: Run) -> dict | None:
+    p = run.prefault
+    if isinstance(p, HeapPrefault):
+        return p.summary(run.prefault_ready)
+    return p
+
+
 def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> dict:
     t_start = time.perf_counter()
     PRODUCTS_RUN.clear()  # the summary counts this run's products only
@@ -1025,12 +1050,15 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> 
     try:
         pool = make_pool(cfg)
         info = pool.info()
+        prefault = _prefault_heap(cfg, info, device)
         plan, ckpt = _plan_run(cfg, ddp, device, info)
         local = decide_local_features(cfg, info, device)
         # no ring where the servers send no features
         ring = None if local.used else make_ring(cfg, info, device)
         run = _build_run(cfg, ddp, device, pool, info, plan, ring, local)
         _wait_warm(local)
+        run.prefault = prefault
+        run.prefault_ready = prefault.done if isinstance(prefault, HeapPrefault) else None
         fit = _fit(run, _start(run, plan, ckpt))
         del ckpt
         summary = _summarize(run, t_start, ring, fit, plan.get("checkpoint"))
