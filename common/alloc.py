@@ -79,17 +79,13 @@ PREFAULT_MIN_MB = 16
 PREFAULT_MARGIN_MB = 16  # kept below the retain threshold: a block at it would be mmapped
 
 
-def step_heap_mb(batch_size: int, fanouts: list[int], num_nodes: int, in_width: int,
-                 hidden: int) -> int:
+def step_heap_mb(dst_rows: int, in_width: int, hidden: int) -> int:
     """An upper bound, in MiB, on the heap a CPU training step of a layered GNN allocates:
-    its input layer's destination rows (the sources of the layers above: ``batch_size``
-    times ``1 + fanout`` for each fanout after the input layer's, and never more than the
-    graph's nodes) times two ``in_width`` copies (the self term and the mean) and three
-    ``hidden`` ones (the output, its gradient and the mean's backward), float32."""
-    rows = min(batch_size, num_nodes)
-    for f in fanouts[1:]:
-        rows = num_nodes if f < 0 else min(num_nodes, rows * (1 + f))
-    return -(-(rows * (2 * in_width + 3 * hidden) * 4) // (1 << 20))
+    its input layer's destination rows (``dst_rows``, a bound on the sources of the layers
+    above: ``common.shm_ring.max_input_rows`` over the fanouts after the input layer's)
+    times two ``in_width`` copies (the self term and the mean) and three ``hidden`` ones
+    (the output, its gradient and the mean's backward), float32."""
+    return -(-(dst_rows * (2 * in_width + 3 * hidden) * 4) // (1 << 20))
 
 
 class HeapPrefault:
@@ -116,6 +112,7 @@ class HeapPrefault:
         self.mb = 0
         self.seconds = 0.0
         self.reason = ""
+        self.done_at_start: bool | None = None  # :meth:`training_starts` records it
         self._thread: threading.Thread | None = None
         libc = _libc()
         if libc is None or not hasattr(libc, "malloc") or not hasattr(libc, "free"):
@@ -150,12 +147,17 @@ class HeapPrefault:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def summary(self, at_first_step: bool | None = None) -> dict:
+    def training_starts(self) -> None:
+        """Record whether the pass is over as the first step begins (:meth:`summary`)."""
+        self.done_at_start = self.done
+
+    def summary(self) -> dict:
         """What it did, for a run's summary: ``mb`` (0: nothing), the thread's seconds, and
-        whether it had finished when training started (``at_first_step``), or ``reason``."""
+        whether it had finished when training started (where :meth:`training_starts` was
+        called), or ``reason``."""
         out: dict = {"mb": self.mb, "s": round(self.seconds, 3), "done": self.done}
-        if at_first_step is not None:
-            out["done_before_training"] = at_first_step
+        if self.done_at_start is not None:
+            out["done_before_training"] = self.done_at_start
         if self.reason:
             out["reason"] = self.reason
         return out

@@ -147,12 +147,16 @@ def test_prefaulted_heap_serves_the_next_block_without_page_faults():
 
 def test_step_heap_estimate_and_when_the_prefault_applies():
     from common.alloc import HeapPrefault, prefault_step_heap, step_heap_mb
+    from common.shm_ring import max_input_rows
+
+    def heap(batch, fanouts, nodes, in_width, hidden):  # as the trainer sizes it
+        return step_heap_mb(max_input_rows(batch, fanouts[1:], nodes), in_width, hidden)
 
     # input layer's destinations: 1024 x 11 x 6 (fanouts after the input layer's 15: 10, 5)
     rows = 1024 * 11 * 6
-    assert step_heap_mb(1024, [15, 10, 5], 10 ** 6, 100, 256) == -(-(rows * 968 * 4) >> 20)
-    assert step_heap_mb(1024, [15, 10, 5], 3000, 100, 256) == -(-(3000 * 968 * 4) >> 20)
-    assert step_heap_mb(8, [5, -1], 500, 10, 16) == -(-(500 * 68 * 4) >> 20)  # -1: all nodes
+    assert heap(1024, [15, 10, 5], 10 ** 6, 100, 256) == -(-(rows * 968 * 4) >> 20)
+    assert heap(1024, [15, 10, 5], 3000, 100, 256) == -(-(3000 * 968 * 4) >> 20)
+    assert heap(8, [5, -1], 500, 10, 16) == -(-(500 * 68 * 4) >> 20)  # -1: all nodes
     off = prefault_step_heap(0, 200)
     assert off["mb"] == 0 and "--malloc-retain-mb" in off["reason"]
     small = prefault_step_heap(256, 8)
@@ -161,3 +165,6 @@ def test_step_heap_estimate_and_when_the_prefault_applies():
     assert isinstance(capped, HeapPrefault) and capped.mb == 48
     capped.wait(60)
     assert capped.done and capped.summary()["mb"] == 48
+    assert "done_before_training" not in capped.summary()  # training never started
+    capped.training_starts()
+    assert capped.summary()["done_before_training"] is True

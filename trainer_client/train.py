@@ -352,10 +352,8 @@ class Run:
     task: Task = field(default_factory=Task)  # the set's task: loss and metric (metrics.py)
     profiler: StepProfiler | None = None  # --profile-steps, rank 0 (profiling.py)
     local: LocalFeatures | None = None  # --local-features as decided (local_features.py)
-    # the first steps' heap faulted in beforehand (common/alloc.py HeapPrefault), or why not;
-    # and whether it had finished when training started
+    # the first steps' heap faulted in beforehand (common/alloc.py HeapPrefault), or why not
     prefault: HeapPrefault | dict | None = None
-    prefault_ready: bool | None = None
 
     @property
     def metric(self) -> str:
@@ -1030,16 +1028,14 @@ def _prefault_heap(cfg: TrainerConfig, info, device: torch.device) -> HeapPrefau
     a GPU trainer's step lives in device memory."""
     if device.type != "cpu":
         return {"mb": 0, "reason": f"the step runs on {device.type}"}
-    estimate = step_heap_mb(cfg.batch_size, cfg.fanouts, info.num_nodes,
+    estimate = step_heap_mb(max_input_rows(cfg.batch_size, cfg.fanouts[1:], info.num_nodes),
                             info.feat_dim + cfg.node_emb_dim, cfg.hidden)
     return prefault_step_heap(_RETAINED_MB, estimate)
 
 
 def _prefault_summary(run: Run) -> dict | None:
     p = run.prefault
-    if isinstance(p, HeapPrefault):
-        return p.summary(run.prefault_ready)
-    return p
+    return p.summary() if isinstance(p, HeapPrefault) else p
 
 
 def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> dict:
@@ -1058,7 +1054,8 @@ def _run_trainer(cfg: TrainerConfig, ddp: DDPSetup, deliver, done_file: str) -> 
         run = _build_run(cfg, ddp, device, pool, info, plan, ring, local)
         _wait_warm(local)
         run.prefault = prefault
-        run.prefault_ready = prefault.done if isinstance(prefault, HeapPrefault) else None
+        if isinstance(prefault, HeapPrefault):
+            prefault.training_starts()
         fit = _fit(run, _start(run, plan, ckpt))
         del ckpt
         summary = _summarize(run, t_start, ring, fit, plan.get("checkpoint"))
