@@ -56,7 +56,8 @@ def synthetic_data(n: int, args: argparse.Namespace):
 
 
 def write_one_part(data, out: Path, seed: int) -> None:
-    """Write ``data`` as a 1-part partition set at ``out``, moved into place when complete."""
+    """Write ``data`` as a 1-part partition set at ``out``, moved into place when complete
+    (partition-ogbn's defaults: nodes in the default order, ``NODE_ORDERS[0]``)."""
     from partition.partitioner import partition_graph
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -136,12 +137,17 @@ def rmat_raw_dir(args: argparse.Namespace, n: int) -> Path:
 
 
 def _cached_one_part(out: Path) -> bool:
+    """Whether ``out`` holds a 1-part set partitioned as :func:`write_one_part` does now (in
+    partition-ogbn's default node order: a set written before the order existed, or in
+    another, is written again)."""
     from partition.layout import PartitionFormatError, PartitionSetMeta
+    from partition.partitioner import NODE_ORDERS
 
     try:
-        return PartitionSetMeta.load(out).num_parts == 1
+        meta = PartitionSetMeta.load(out)
     except PartitionFormatError:
         return False
+    return meta.num_parts == 1 and meta.stats.get("node_order") == NODE_ORDERS[0]
 
 
 def family_parts(family: str, args: argparse.Namespace) -> Path:

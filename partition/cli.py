@@ -401,7 +401,8 @@ def _partition(cfg: PartitionConfig, data, progress: bool, load_s: float, t0: fl
 
     meta = partition_graph(data, cfg.num_parts, cfg.out, cfg.method, seed=cfg.seed,
                            progress=progress, overwrite=cfg.force, halo_hops=cfg.halo_hops,
-                           presample_batches=cfg.presample_batches)
+                           presample_batches=cfg.presample_batches,
+                           node_order=cfg.node_order)
     return _report(cfg, meta, load_s, t0)
 
 
@@ -415,7 +416,8 @@ def _partition_stream(cfg: PartitionConfig, source, add_reverse_edges: bool, pro
                             max_memory_gb=cfg.max_memory_gb,
                             add_reverse_edges=add_reverse_edges, halo_hops=cfg.halo_hops,
                             presample_batches=cfg.presample_batches,
-                            passes=cfg.stream_passes, work_dir=cfg.work_dir or None)
+                            passes=cfg.stream_passes, work_dir=cfg.work_dir or None,
+                            node_order=cfg.node_order)
     return _report(cfg, meta, load_s, t0)
 
 

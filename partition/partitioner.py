@@ -6,8 +6,10 @@ Steps of :func:`partition_graph`:
    symmetrises the graph, with the training seeds as a second balance constraint), or a random
    assignment that deals nodes round-robin from a shuffled order (training seeds and the
    rest separately, so both are balanced). One part skips both.
-2. **Relabel**: new global ids are sorted by ``(part, original id)``; part p owns
-   ``node_offsets[p] <= gid < node_offsets[p + 1]``.
+2. **Relabel**: new global ids are sorted by part; part p owns ``node_offsets[p] <= gid <
+   node_offsets[p + 1]``. Within a part, ``node_order="degree"`` (the default) sorts them by
+   out-degree, highest first (ties by original id; a typed graph's nodes stay grouped by type,
+   each type's by degree), ``"id"`` by original id. See :func:`node_order_keys`.
 3. **Write** each part with :func:`partition.layout.write_part`: the in-edges of its nodes
    in CSC (sources as new global ids, each node's in-edges sorted by source id), features,
    labels, original ids and seeds; then ``orig_to_new.npy``; then ``metadata.json`` last
@@ -216,6 +218,7 @@ def partition_graph(
     presample_batches: int = 16,
     presample_fanouts: tuple[int, ...] = (15, 10, 5),
     presample_batch_size: int = 1024,
+    node_order: str = "degree",
 ) -> PartitionSetMeta:
     """Partition ``data`` into ``num_parts`` parts written under ``out``; return the metadata.
 
@@ -225,6 +228,7 @@ def partition_graph(
     ``presample_fanouts``) and writes ``hot_rank.npy``: each node's rank within its part by
     how often it appeared as an input node, the order trainers fill their feature caches in
     (on a typed set, the nodes of featureless types rank after every featured node).
+    ``node_order`` orders each part's nodes (:data:`NODE_ORDERS`, :func:`node_order_keys`).
 
     ``out`` must be empty or new; an existing partition set there is replaced only with
     ``overwrite=True``, and only when it holds nothing but the set's own files. The set is
@@ -240,6 +244,7 @@ def partition_graph(
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if not isinstance(halo_hops, (int, np.integer)) or not 0 <= halo_hops <= 3:
         raise PartitionError(f"halo_hops={halo_hops} must be 0, 1, 2 or 3")
+    node_order_keys(node_order, np.zeros(0, dtype=np.int64))  # the name, checked first
     data.validate()
     n, num_parts = int(data.num_nodes), int(num_parts)
     if num_parts > n:
@@ -250,7 +255,7 @@ def partition_graph(
     presample = (presample_batches, presample_fanouts, presample_batch_size)
     with staged_out(out, overwrite) as tmp:
         return _write_set(data, num_parts, tmp, Path(out), method, seed, progress, halo_hops,
-                          presample, t0)
+                          presample, t0, node_order)
 
 
 def _checked_assignment(data: GraphData, num_parts: int, method: str, seed: int) -> np.ndarray:
@@ -262,10 +267,41 @@ def _checked_assignment(data: GraphData, num_parts: int, method: str, seed: int)
     return parts
 
 
-def _relabel_nodes(parts: np.ndarray, num_parts: int, n: int):
+NODE_ORDERS = ("degree", "id")  # partition-ogbn --node-order; the first is the default
+
+
+def node_order_keys(node_order: str, out_degree: np.ndarray | None,
+                    node_type: np.ndarray | None = None) -> list[np.ndarray]:
+    """The keys that order a part's nodes, least significant first (``np.lexsort``'s order,
+    the part being the most significant and the original id, through the stable sort, the
+    last tie-break): none for ``"id"``; for ``"degree"`` the negated out-degree, then the
+    node type on a typed graph (so a part's nodes stay grouped by type).
+
+    Why by out-degree: a node is sampled as a source about as often as it has out-edges, so
+    on a graph with skewed degrees (RMAT, power-law social and web graphs) a few nodes are in
+    most mini-batches. With them first, their CSC segments, feature rows and the samplers'
+    per-node state share pages and cache lines; on the benchmarks' RMAT graph (random ids)
+    a server delivered 7-13 % more seeds per CPU-second (docs/benchmarks.md, session 60)."""
+    if node_order not in NODE_ORDERS:
+        raise PartitionError(f"node_order={node_order!r}: choose one of {', '.join(NODE_ORDERS)}")
+    if node_order == "id":
+        return []
+    if out_degree is None:
+        raise PartitionError("node_order='degree' needs the out-degrees")
+    keys = [-np.asarray(out_degree, dtype=np.int64)]
+    if node_type is not None:
+        keys.append(np.asarray(node_type))
+    return keys
+
+
+def _relabel_nodes(parts: np.ndarray, num_parts: int, n: int,
+                   order_keys: list[np.ndarray] | None = None):
     """Step 2, nodes: (new_to_orig, orig_to_new, part_nodes, offsets); new ids are sorted by
-    (part, original id)."""
-    new_to_orig = np.argsort(parts, kind="stable").astype(np.int64, copy=False)
+    part, then by ``order_keys`` (:func:`node_order_keys`), then by original id."""
+    if order_keys:
+        new_to_orig = np.lexsort((*order_keys, parts)).astype(np.int64, copy=False)
+    else:
+        new_to_orig = np.argsort(parts, kind="stable").astype(np.int64, copy=False)
     orig_to_new = np.empty(n, dtype=np.int64)
     orig_to_new[new_to_orig] = np.arange(n, dtype=np.int64)
     part_nodes = np.bincount(parts, minlength=num_parts).astype(np.int64)
@@ -414,14 +450,19 @@ def _type_stats(data: GraphData, new_to_orig: np.ndarray, offsets: np.ndarray) -
 
 
 def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: str, seed: int,
-               progress: bool, halo_hops: int, presample: tuple, t0: float) -> PartitionSetMeta:
+               progress: bool, halo_hops: int, presample: tuple, t0: float,
+               node_order: str = "degree") -> PartitionSetMeta:
     """Steps 1-3 of the module docstring, into the (new, empty) directory ``out``; ``shown``
     is the ``out`` the user asked for, ``presample`` (batches, fanouts, batch size)."""
     n, e = int(data.num_nodes), data.num_edges
     parts = _checked_assignment(data, num_parts, method, seed)  # 1. assignment
     t_assign = time.perf_counter()
-    new_to_orig, orig_to_new, part_nodes, offsets = _relabel_nodes(parts, num_parts, n)  # 2.
-    del parts
+    degree = np.bincount(data.src, minlength=n) if node_order == "degree" else None
+    order = node_order_keys(node_order, degree, data.node_type if data.is_typed else None)
+    del degree
+    new_to_orig, orig_to_new, part_nodes, offsets = _relabel_nodes(parts, num_parts, n,
+                                                                   order)  # 2.
+    del parts, order
     keys = _edge_keys(data, orig_to_new, n, progress)
     t_relabel = time.perf_counter()
     splits_new = {s: np.sort(orig_to_new[data.split(s)]) for s in layout.SPLITS}  # 3. write
@@ -441,6 +482,7 @@ def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: 
         layout.save_array(out / layout.HOT_RANK_FILE, rank_within_parts(hot, offsets, last))
     t_write = time.perf_counter()
     stats = _stats(e, part_nodes, infos, part_cut, (t0, t_assign, t_relabel, t_write))
+    stats["node_order"] = node_order
     if data.is_typed:
         stats.update(_type_stats(data, new_to_orig, offsets))
     meta = PartitionSetMeta(

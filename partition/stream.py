@@ -11,7 +11,8 @@ features:
    therefore byte-identical arrays); ``fennel`` / ``ldg`` stream the edges a few passes
    through :func:`partition.streamassign.stream_assign` (balanced on nodes and training
    seeds, memory linear in nodes).
-2. **Relabel** by ``(part, original id)``, as the in-memory path does.
+2. **Relabel** by part and, within a part, by ``node_order`` (out-degree, highest first, by
+   default; the degrees counted in one more pass over the edges), as the in-memory path does.
 3. **Bucket the edges** in one pass: each directed edge's key ``new_dst * n + new_src`` goes
    to the temporary file of its destination's part (:class:`partition.buckets.BucketFiles`
    under ``work_dir``), the edge cut counted on the way.
@@ -19,10 +20,12 @@ features:
    sort budget is read and sorted at once; a larger one is split by destination ranges
    (from its in-degree histogram) into sub-buckets sorted one after another.
 5. **Features, labels, original ids** are appended per part from the source's chunks in
-   original-id order; within a part new ids follow original ids, so every part's files are
-   written sequentially, by chunks (``.npy`` header first, then the rows: no
-   ``np.memmap`` writes, so nothing written is ever resident). The stored feature dtype is
-   kept (float32 or float16).
+   original-id order, so every part's files are written sequentially, by chunks (``.npy``
+   header first, then the rows: no ``np.memmap`` writes, so nothing written is ever
+   resident). With ``node_order="id"`` new ids follow original ids within a part and these
+   are the part's files; with ``"degree"`` they go to temporary files under the work
+   directory and are then rewritten in new-id order, by chunks read from their map (the
+   read pages dropped after each). The stored feature dtype is kept (float32 or float16).
 6. **Splits**, ``orig_to_new.npy``, ``hot_rank.npy`` (a numpy neighbour sampler over the
    parts' memory-mapped CSC) and ``metadata.json`` last, everything inside
    :func:`partition.outdir.staged_out` (a failed run leaves nothing behind).
@@ -57,7 +60,13 @@ from partition.graph_data import DatasetError, GraphData
 from partition.hotness import rank_within_parts
 from partition.layout import PartInfo, PartitionSetMeta
 from partition.outdir import PartitionError, staged_out
-from partition.partitioner import _random_assign, _relabel_nodes, _stats
+from partition.partitioner import (
+    NODE_ORDERS,
+    _random_assign,
+    _relabel_nodes,
+    _stats,
+    node_order_keys,
+)
 
 __all__ = ["partition_stream", "GraphSource", "NpyWriter", "STREAM_METHODS"]
 
@@ -207,7 +216,8 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
                      work_dir: str | os.PathLike | None = None,
                      presample_fanouts: tuple[int, ...] = (15, 10, 5),
                      presample_batch_size: int = 1024,
-                     sort_bytes: int | None = None) -> PartitionSetMeta:
+                     sort_bytes: int | None = None,
+                     node_order: str = "degree") -> PartitionSetMeta:
     """Partition ``source`` (a ``RawSource`` or :class:`GraphSource`) into ``num_parts``
     parts under ``out`` with bounded memory (module docstring); return the metadata.
     ``halo_hops`` (0-3) adds halos as :func:`partition.partitioner.partition_graph` does.
@@ -218,7 +228,9 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
     (default: inside the staging directory beside ``out``, same filesystem); they take
     about 8 bytes per directed edge and are deleted before returning. ``sort_bytes``
     overrides the plan's largest in-memory sort (a smaller one splits parts into more
-    sub-buckets; the output is the same).
+    sub-buckets; the output is the same). ``node_order``: how each part's nodes are ordered
+    (:data:`partition.partitioner.NODE_ORDERS`; ``"degree"`` costs one more edge pass and a
+    rewrite of the feature files).
     """
     t0 = time.perf_counter()
     if not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
@@ -235,6 +247,8 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
         raise PartitionError(f"halo_hops={halo_hops} must be 0, 1, 2 or 3")
     if not isinstance(passes, (int, np.integer)) or passes < 1:
         raise PartitionError(f"passes={passes} must be >= 1")
+    if node_order not in NODE_ORDERS:
+        raise PartitionError(f"node_order={node_order!r}: choose one of {', '.join(NODE_ORDERS)}")
     n, k = int(source.num_nodes), int(num_parts)
     if k > n:
         raise PartitionError(f"num_parts={k} exceeds the {n} nodes of {source.name}")
@@ -258,6 +272,7 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
                  (presample_batches, tuple(presample_fanouts), presample_batch_size), n, e, d,
                  feat_dtype, t0)
     args.halo_hops = int(halo_hops)
+    args.node_order = node_order
     with memplan.RssMonitor() as monitor, staged_out(out, overwrite) as tmp:
         parent = Path(work_dir) if work_dir else tmp
         parent.mkdir(parents=True, exist_ok=True)
@@ -305,6 +320,33 @@ def _assign(a: _Args, work: Path) -> np.ndarray:
     return parts.astype(np.int64, copy=False)
 
 
+def _checked_edges(a: _Args, src, dst, seen: int) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of the source's edges as int64 arrays, every endpoint checked to be a node."""
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    if src.size:
+        lo, hi = min(src.min(), dst.min()), max(src.max(), dst.max())
+        if lo < 0 or hi >= a.n:
+            raise DatasetError(f"{a.source.where}: edge endpoint {lo if lo < 0 else hi} "
+                               f"(near directed edge {seen}) is outside [0, {a.n}); fix the "
+                               "edge list")
+    return src, dst
+
+
+def _out_degrees(a: _Args) -> np.ndarray:
+    """Step 2 for ``node_order="degree"``: every node's out-degree (int64 [n]), one pass."""
+    deg = np.zeros(a.n, dtype=np.int64)
+    seen = 0
+    bar = _bar(a.e, "count degrees", a.progress)
+    for src, dst in a.source.edge_chunks(a.plan.edge_rows, a.add_reverse_edges):
+        src, _ = _checked_edges(a, src, dst, seen)
+        deg += np.bincount(src, minlength=a.n)
+        seen += src.shape[0]
+        bar.update(src.shape[0])
+    bar.close()
+    return deg
+
+
 def _bucket_edges(a: _Args, parts: np.ndarray, orig_to_new: np.ndarray, buckets: BucketFiles
                   ) -> np.ndarray:
     """Step 3: every directed edge's key into its destination part's bucket; the per-part
@@ -314,15 +356,9 @@ def _bucket_edges(a: _Args, parts: np.ndarray, orig_to_new: np.ndarray, buckets:
     seen = 0
     bar = _bar(a.e, "bucket edges", a.progress)
     for src, dst in a.source.edge_chunks(a.plan.edge_rows, a.add_reverse_edges):
-        src = np.asarray(src, dtype=np.int64)
-        dst = np.asarray(dst, dtype=np.int64)
+        src, dst = _checked_edges(a, src, dst, seen)
         if src.size == 0:
             continue
-        lo, hi = min(src.min(), dst.min()), max(src.max(), dst.max())
-        if lo < 0 or hi >= n:
-            raise DatasetError(f"{a.source.where}: edge endpoint {lo if lo < 0 else hi} "
-                               f"(near directed edge {seen}) is outside [0, {n}); fix the "
-                               "edge list")
         pd = parts[dst]
         if k > 1:
             cut = parts[src] != pd
@@ -398,11 +434,16 @@ def _write_csc(a: _Args, buckets: BucketFiles, p: int, lo: int, hi: int, pdir: P
     return m, subs
 
 
-def _write_rows(a: _Args, parts: np.ndarray, part_nodes: np.ndarray, tmp: Path) -> None:
-    """Step 5: feat.npy and label.npy of every part, appended from the source's chunks."""
+def _write_rows(a: _Args, parts: np.ndarray, part_nodes: np.ndarray, tmp: Path,
+                new_to_orig: np.ndarray, offsets: np.ndarray, work: Path) -> None:
+    """Step 5: feat.npy and label.npy of every part, appended from the source's chunks in
+    original-id order; where new ids do not follow original ids within a part
+    (``node_order="degree"``), into ``work`` first and then rewritten in new-id order."""
     n, k, d = a.n, a.k, a.d
+    inplace = a.node_order == "id"
     for what in ("feat", "label"):
-        writers = [NpyWriter(tmp / f"part-{p}" / f"{what}.npy",
+        writers = [NpyWriter(tmp / f"part-{p}" / f"{what}.npy" if inplace
+                             else work / f"{what}-{p}.npy",
                              (int(part_nodes[p]), d) if what == "feat" else (int(part_nodes[p]),),
                              a.feat_dtype if what == "feat" else np.int64) for p in range(k)]
         with _filled(writers):
@@ -432,6 +473,25 @@ def _write_rows(a: _Args, parts: np.ndarray, part_nodes: np.ndarray, tmp: Path) 
             bar.close()
             if r != n:
                 raise DatasetError(f"{a.source.where}: {r} {what} rows, expected {n}")
+        if not inplace:
+            for p in range(k):
+                _reorder_rows(work / f"{what}-{p}.npy", tmp / f"part-{p}" / f"{what}.npy",
+                              new_to_orig[offsets[p]: offsets[p + 1]], a.plan.feat_rows)
+
+
+def _reorder_rows(src: Path, dst: Path, part_orig: np.ndarray, rows: int) -> None:
+    """``dst``: the rows of ``src`` (a part's, in original-id order) in new-id order; new id
+    ``lo + j`` is original id ``part_orig[j]``. Read from the map by chunks of ``rows`` new
+    ids, the pages read dropped after each; ``src`` is deleted."""
+    pos = np.searchsorted(np.sort(part_orig), part_orig)  # each new row's place in src
+    arr = np.load(src, mmap_mode="r")
+    writer = NpyWriter(dst, arr.shape, arr.dtype)
+    with _filled([writer]):
+        for s in range(0, pos.shape[0], max(1, rows)):
+            writer.write(arr[pos[s: s + rows]])
+            _drop_pages(arr)
+    del arr
+    src.unlink()
 
 
 def _unique(x: np.ndarray) -> np.ndarray:
@@ -601,7 +661,10 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
     n, k = a.n, a.k
     parts = _assign(a, work)  # 1.
     t_assign = time.perf_counter()
-    new_to_orig, orig_to_new, part_nodes, offsets = _relabel_nodes(parts, k, n)  # 2.
+    degree = _out_degrees(a) if a.node_order == "degree" else None
+    new_to_orig, orig_to_new, part_nodes, offsets = _relabel_nodes(
+        parts, k, n, node_order_keys(a.node_order, degree))  # 2.
+    del degree
     with BucketFiles(work, k, a.plan.bucket_buffer_bytes) as buckets:  # 3.
         part_cut = _bucket_edges(a, parts, orig_to_new, buckets)
         e = a.e
@@ -614,7 +677,7 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
             part_edges[p], s = _write_csc(a, buckets, p, int(offsets[p]), int(offsets[p + 1]),
                                           pdir, work)
             subs += s
-    _write_rows(a, parts, part_nodes, tmp)  # 5.
+    _write_rows(a, parts, part_nodes, tmp, new_to_orig, offsets, work)  # 5.
     del parts
     for p in range(k):
         layout.save_array(tmp / f"part-{p}" / "orig_ids.npy",
@@ -663,7 +726,9 @@ def _write_set(a: _Args, tmp: Path, work: Path, shown: Path,
         "max_memory_bytes": a.plan.budget_bytes,
         "peak_rss_sampled_bytes": int(monitor.peak),
         "method": a.method,
-        "passes": (a.passes if a.method in ("fennel", "ldg") and k > 1 else 0) + 1,
+        "passes": (a.passes if a.method in ("fennel", "ldg") and k > 1 else 0) + 1
+        + (a.node_order == "degree"),
+        "node_order": a.node_order,
         "sort_sub_buckets": int(subs),
         "feat_dtype": a.feat_dtype.name,
     })

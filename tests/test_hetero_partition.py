@@ -148,8 +148,14 @@ def _check_set(out: Path, raw: Raw, num_parts: int, method: str, *, reverse: boo
     # node_type.npy by global id; each part's nodes grouped by type
     nt = load_node_type(out)
     assert nt.dtype == np.int8 and np.array_equal(nt, raw.node_type[orig])
+    # ... and, within a type, by out-degree as stored, highest first (the default node order)
+    stored_out = np.bincount(np.concatenate([np.asarray(p.indices) for p in parts]),
+                             minlength=raw.n)
     for lo, hi in zip(meta.node_offsets[:-1], meta.node_offsets[1:]):
         assert (np.diff(nt[lo:hi].astype(int)) >= 0).all()
+        if meta.stats.get("node_order") == "degree":
+            for t in np.unique(nt[lo:hi]):
+                assert (np.diff(stored_out[lo:hi][nt[lo:hi] == t]) <= 0).all()
     # every edge once, in its destination's owner part, with the right relation
     keys = []
     for p in parts:

@@ -57,6 +57,18 @@ def _edge_keys(src: np.ndarray, dst: np.ndarray, n: int) -> np.ndarray:
     return np.sort(src.astype(np.int64) * n + dst)
 
 
+def check_node_order(orig_ids: np.ndarray, out_degree: np.ndarray | None) -> None:
+    """A part's nodes (their original ids in new-id order) follow the node order: by
+    out-degree, highest first, ties by original id (``out_degree`` given), or by id."""
+    if out_degree is None:
+        assert np.all(np.diff(orig_ids) > 0)
+        return
+    deg = out_degree[orig_ids]
+    assert np.all(np.diff(deg) <= 0), "out-degrees rise within a part"
+    ties = np.diff(deg) == 0
+    assert np.all(np.diff(orig_ids)[ties] > 0), "equal degrees not in original-id order"
+
+
 def check_partition_set(data: GraphData, out: Path) -> PartitionSetMeta:
     """Assert every invariant of partition/layout.py for ``out`` against ``data``."""
     meta = PartitionSetMeta.load(out)
@@ -72,14 +84,17 @@ def check_partition_set(data: GraphData, out: Path) -> PartitionSetMeta:
 
     parts = [load_partition(out, p) for p in range(k)]
     new_to_orig = np.concatenate([np.asarray(p.orig_ids) for p in parts])
-    # every node exactly once, contiguous relabel sorted by (part, original id)
+    # every node exactly once, contiguous relabel sorted by part, then (the node order) by
+    # out-degree, highest first, or by original id
     assert np.array_equal(np.sort(new_to_orig), np.arange(n))
+    by_degree = meta.stats.get("node_order", "degree") == "degree"
+    out_degree = np.bincount(data.src, minlength=n)
     assert np.array_equal(orig_to_new[new_to_orig], np.arange(n))
     src_new, dst_new = [], []
     for p, part in enumerate(parts):
         lo, hi = off[p], off[p + 1]
         assert part.node_start == lo and part.num_nodes == hi - lo
-        assert np.all(np.diff(part.orig_ids) > 0)
+        check_node_order(np.asarray(part.orig_ids), out_degree if by_degree else None)
         gids = np.arange(lo, hi)
         assert np.all(meta.owner_of(gids) == p)
         indptr = np.asarray(part.indptr)
@@ -237,6 +252,30 @@ def _assert_same_graph(a: GraphData, b: GraphData) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_node_order_degree_and_id(tmp_path):
+    """``degree`` (the default) orders each part's nodes by out-degree, highest first, ties
+    by original id; ``id`` by original id; both are complete, valid sets of the same graph
+    whose samples differ only by the relabel. A bad order is refused by name."""
+    g = generate(2000, avg_degree=8, feat_dim=4, num_classes=3, seed=1, progress=False)
+    deg = np.bincount(g.src, minlength=g.num_nodes)
+    orders = {}
+    for order in ("degree", "id"):
+        meta = partition_graph(g, 2, tmp_path / order, "random", seed=0, progress=False,
+                               presample_batches=0, node_order=order)
+        assert meta.stats["node_order"] == order
+        check_partition_set(g, tmp_path / order)
+        orders[order] = np.concatenate([np.asarray(load_partition(tmp_path / order, p).orig_ids)
+                                        for p in range(2)])
+    assert deg[orders["degree"][0]] == deg[orders["degree"][: meta.node_offsets[1]]].max()
+    assert not np.array_equal(orders["degree"], orders["id"])
+    for p in range(2):  # the same nodes in each part: only their order differs
+        lo, hi = meta.node_offsets[p], meta.node_offsets[p + 1]
+        assert np.array_equal(np.sort(orders["degree"][lo:hi]), orders["id"][lo:hi])
+    with pytest.raises(PartitionError, match="node_order='hot'.*degree, id"):
+        partition_graph(g, 2, tmp_path / "bad", "random", progress=False, node_order="hot")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_synthetic_deterministic_and_valid():
     a = generate(3000, avg_degree=10, feat_dim=16, num_classes=5, seed=3, progress=False)
     b = generate(3000, avg_degree=10, feat_dim=16, num_classes=5, seed=3, progress=False)

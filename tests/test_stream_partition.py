@@ -88,16 +88,22 @@ def test_npy_writer_matches_np_save(tmp_path):
         short.close()
 
 
-@pytest.mark.parametrize("num_parts,sort_bytes", [(1, None), (3, None), (3, 8 * 2000)])
-def test_stream_random_is_byte_identical_to_in_memory(graph, tmp_path, num_parts, sort_bytes):
+@pytest.mark.parametrize("num_parts,sort_bytes,order", [
+    (1, None, "degree"), (3, None, "degree"), (3, 8 * 2000, "degree"), (1, None, "id"),
+    (3, 8 * 2000, "id")])
+def test_stream_random_is_byte_identical_to_in_memory(graph, tmp_path, num_parts, sort_bytes,
+                                                      order):
     """Same seed, same assignment, same relabel: the same bytes in every array file, also
-    when parts are sorted in sub-buckets (sort_bytes 16 KB: ~5 sub-buckets per part)."""
+    when parts are sorted in sub-buckets (sort_bytes 16 KB: ~5 sub-buckets per part), in
+    either node order (degree: the streamed features and labels rewritten in new-id order)."""
     a, b = tmp_path / "mem", tmp_path / "stream"
     m1 = partition_graph(graph, num_parts, a, "random", seed=7, progress=False,
-                         presample_batches=0)
+                         presample_batches=0, node_order=order)
     m2 = partition_stream(GraphSource(graph), num_parts, b, "random", seed=7, progress=False,
-                          presample_batches=0, sort_bytes=sort_bytes)
+                          presample_batches=0, sort_bytes=sort_bytes, node_order=order)
+    assert m1.stats["node_order"] == m2.stats["node_order"] == order
     assert _files(a) == _files(b)
+    assert not any(p.name.startswith(("feat-", "label-")) for p in b.rglob("*"))
     for key, value in m1.stats.items():
         if not key.endswith("_s") and key != "peak_rss_bytes":
             assert m2.stats[key] == value, key
@@ -115,7 +121,8 @@ def test_streaming_partition_is_valid_and_balanced(graph, tmp_path, method):
     st = meta.stats
     assert st["method"] == method and st["max_memory_bytes"] == 2 << 30
     assert 0 < st["peak_rss_sampled_bytes"] < st["max_memory_bytes"]
-    assert st["passes"] == (3 if method != "random" else 1)
+    # the assignment's passes, the bucketing pass and the degrees' pass
+    assert st["passes"] == (3 if method != "random" else 1) + 1
     rank = np.load(tmp_path / "p" / "hot_rank.npy")
     for p in range(4):  # a permutation of each part's local ids
         lo, hi = meta.node_offsets[p], meta.node_offsets[p + 1]
