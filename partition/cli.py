@@ -139,7 +139,7 @@ def _summary_lines(meta, load_s: float, total_s: float) -> list[str]:
     lines = [
         f"{PROG}: {meta.dataset}: {meta.num_nodes:,} nodes, {meta.num_edges:,} directed edges, "
         f"{meta.feat_dim}-dim features, {meta.num_classes} classes -> {meta.num_parts} part(s) "
-        f"({meta.method}), set_id {meta.set_id}",
+        f"({meta.method}, nodes by {st.get('node_order', 'id')}), set_id {meta.set_id}",
         f"  {'part':>4} {'nodes':>12} {'edges':>14} {'train':>10} {'cut edges':>12} "
         f"{'halo nodes':>12} {'halo edges':>12}",
     ]
@@ -429,7 +429,8 @@ def _report(cfg: PartitionConfig, meta, load_s: float, t0: float) -> dict:
     return _typed_json(meta) | dict(
         num_nodes=meta.num_nodes, num_edges=meta.num_edges,
         out=str(Path(cfg.out)), set_id=meta.set_id, num_parts=meta.num_parts,
-        method=meta.method, feat_dim=meta.feat_dim, num_classes=meta.num_classes,
+        method=meta.method, node_order=st.get("node_order", "id"), feat_dim=meta.feat_dim,
+        num_classes=meta.num_classes,
         task_type=meta.task_type, num_tasks=meta.num_tasks, eval_metric=meta.eval_metric,
         edge_cut=meta.edge_cut, edge_cut_frac=round(st["edge_cut_frac"], 6),
         node_balance=round(st["node_balance"], 4), edge_balance=round(st["edge_balance"], 4),

@@ -39,7 +39,8 @@ A partition set is a directory::
 
 Typed (heterogeneous) graphs are the homogeneous layout plus the type arrays above (DistDGL's
 approach): original ids put each type's nodes contiguously (types in ``ntypes`` order), and
-the relabel keeps that order within a part, so a part's nodes are grouped by type. Features:
+the relabel keeps the types in that order within a part, so a part's nodes are grouped by type
+(each type's by out-degree with ``--node-order degree``, the default). Features:
 one matrix, real rows for the types in ``feat_ntypes``, zeros for the others; labels -1
 outside ``predict_ntype``; the splits hold ``predict_ntype`` nodes only.
 
@@ -51,7 +52,9 @@ Sampling stays exact (a halo node's in-edges are all present), at the price of s
 
 Invariants (checked by tests/test_partition.py):
 
-* Global ids are a contiguous relabel: part p owns exactly the global ids
+* Global ids are a contiguous relabel (within a part in the set's node order,
+  ``stats.node_order``: by out-degree, highest first, or by original id; see
+  :func:`partition.partitioner.node_order_keys`): part p owns exactly the global ids
   ``node_offsets[p] <= gid < node_offsets[p + 1]``; local id = ``gid - node_offsets[p]``.
   The owner of any node is therefore ``searchsorted(node_offsets, gid, side="right") - 1``.
 * Every directed edge (u -> v) of the graph is stored exactly once, in the part that owns v.

@@ -6,7 +6,8 @@ directed edges and ``d``-dim features:
 
 * **random / fennel / ldg** (the streaming pipeline of :mod:`partition.stream`): memory linear
   in nodes, never in edges or features. Per node: the part id, both relabel maps (int64 each),
-  the training mask, the split ids and the pre-sampling counts (:data:`STREAM_BYTES_PER_NODE`
+  the training mask, the split ids, the pre-sampling counts and the out-degrees
+  (:data:`STREAM_BYTES_PER_NODE`
   in all), plus the assignment's own arrays (:func:`assign_bytes`; for fennel / ldg the
   streaming assigner's), plus fixed-size buffers: one edge chunk (:data:`EDGE_CHUNK_BYTES_PER_ROW`
   per edge row), one feature chunk, the bucket write buffers and the smallest sort bucket
@@ -42,8 +43,9 @@ STREAM_METHODS = ("random", "fennel", "ldg")
 # interpreter, numpy, pandas / zipfile readers, tqdm: measured ~120 MiB RSS before any data
 BASE_BYTES = 200 * MiB
 # part id (int64), new_to_orig and orig_to_new (int64), train mask (bool), split ids (int64,
-# up to one per node), hotness counts (int64), argsort's merge buffer (int64 / 2)
-STREAM_BYTES_PER_NODE = 8 + 8 + 8 + 1 + 8 + 8 + 4
+# up to one per node), hotness counts (int64), argsort's merge buffer (int64 / 2), the
+# out-degrees of --node-order degree (int64, while relabelling)
+STREAM_BYTES_PER_NODE = 8 + 8 + 8 + 1 + 8 + 8 + 4 + 8
 # random assignment: flatnonzero + permutation + arange of a group (int64 each), live at once
 RANDOM_ASSIGN_BYTES_PER_NODE = 24
 # one edge chunk in flight: src, dst (+ reverses), relabelled ids, owners, keys, the bucket

@@ -275,7 +275,8 @@ def node_order_keys(node_order: str, out_degree: np.ndarray | None,
     """The keys that order a part's nodes, least significant first (``np.lexsort``'s order,
     the part being the most significant and the original id, through the stable sort, the
     last tie-break): none for ``"id"``; for ``"degree"`` the negated out-degree, then the
-    node type on a typed graph (so a part's nodes stay grouped by type).
+    node type on a typed graph (so a part's nodes stay grouped by type). An int64
+    ``out_degree`` is negated in place (no copy of a per-node array).
 
     Why by out-degree: a node is sampled as a source about as often as it has out-edges, so
     on a graph with skewed degrees (RMAT, power-law social and web graphs) a few nodes are in
@@ -288,7 +289,8 @@ def node_order_keys(node_order: str, out_degree: np.ndarray | None,
         return []
     if out_degree is None:
         raise PartitionError("node_order='degree' needs the out-degrees")
-    keys = [-np.asarray(out_degree, dtype=np.int64)]
+    deg = np.asarray(out_degree, dtype=np.int64)
+    keys = [np.negative(deg, out=deg)]  # in place: an int64 out_degree is consumed
     if node_type is not None:
         keys.append(np.asarray(node_type))
     return keys

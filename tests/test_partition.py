@@ -501,9 +501,18 @@ def test_cli_cora(cora, cora_dir, tmp_path):
     assert summary["num_parts"] == 2 and summary["num_nodes"] == 2708
     assert summary["out"] == str(out) and 0 < summary["edge_cut_frac"] < 0.3
     assert "edge cut" in r.stderr and "peak memory" in r.stderr
+    assert summary["node_order"] == "degree" and "nodes by degree" in r.stderr
     check_partition_set(cora, out)
     again = _cli("--dataset-dir", str(cora_dir), "--num-parts", "2", "--out", str(out))
     assert again.returncode == 2 and "--force" in again.stderr
+    by_id = tmp_path / "cora2id"
+    r = _cli("--dataset-dir", str(cora_dir), "--num-parts", "2", "--node-order", "id",
+             "--out", str(by_id), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert _last_json(r.stdout)["node_order"] == "id"
+    check_partition_set(cora, by_id)  # by original id within each part
+    bad = _cli("--dataset-dir", str(cora_dir), "--node-order", "hot", "--out", str(tmp_path / "b"))
+    assert bad.returncode == 2 and "--node-order" in bad.stderr and "degree" in bad.stderr
 
 
 @pytest.mark.timeout(120)

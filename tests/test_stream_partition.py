@@ -26,7 +26,7 @@ from partition.buckets import BucketFiles
 from partition.layout import FEAT_DTYPES, PartitionSetMeta, load_partition
 from partition.outdir import PartitionError
 from partition.partitioner import partition_graph
-from partition.stream import GraphSource, NpyWriter, partition_stream
+from partition.stream import GraphSource, NpyWriter, _reorder_rows, partition_stream
 from partition.synthetic import generate
 from tests.test_mfg_oracle import Oracle, mixed_seeds
 from tests.test_partition import CORA, check_partition_set, needs_cora
@@ -86,6 +86,21 @@ def test_npy_writer_matches_np_save(tmp_path):
     short.write(np.arange(5))
     with pytest.raises(ValueError, match="needs 10"):
         short.close()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+def test_reorder_rows_by_chunks(tmp_path, rows):
+    """A part's rows, written in original-id order, rewritten in new-id order by chunks of
+    any size (the last one short); the temporary file is gone afterwards."""
+    orig = np.array([40, 3, 17, 8, 99, 5, 23, 61, 12, 2, 77])  # new id j -> original id
+    by_id = np.sort(orig)
+    feat = np.repeat(by_id[:, None], 3, axis=1).astype(np.float16) + np.arange(3, dtype=np.float16)
+    np.save(tmp_path / "feat-0.npy", feat)
+    _reorder_rows(tmp_path / "feat-0.npy", tmp_path / "feat.npy", orig, rows)
+    out = np.load(tmp_path / "feat.npy")
+    assert out.dtype == np.float16 and np.array_equal(out[:, 0], orig.astype(np.float16))
+    assert np.array_equal(out, feat[np.searchsorted(by_id, orig)])
+    assert not (tmp_path / "feat-0.npy").exists()
 
 
 @pytest.mark.parametrize("num_parts,sort_bytes,order", [
