@@ -162,7 +162,7 @@ class PartitionConfig:
         "degree", "the order of each part's nodes (their global ids): 'degree' puts the nodes "
         "with the most out-edges first (ties by original id; a typed graph's nodes stay "
         "grouped by type), so the few nodes that most mini-batches sample share pages and "
-        "cache lines on a graph with skewed degrees (7-13 %% more seeds per sampler "
+        "cache lines on a graph with skewed degrees (about 10 %% more seeds per sampler "
         "CPU-second on the benchmarks' RMAT graph; costs one more pass over the edges, and "
         "the streaming pipeline rewrites the feature files once); 'id' keeps the original "
         "order", choices=["degree", "id"])

@@ -282,7 +282,8 @@ def node_order_keys(node_order: str, out_degree: np.ndarray | None,
     on a graph with skewed degrees (RMAT, power-law social and web graphs) a few nodes are in
     most mini-batches. With them first, their CSC segments, feature rows and the samplers'
     per-node state share pages and cache lines; on the benchmarks' RMAT graph (random ids)
-    a server delivered 7-13 % more seeds per CPU-second (docs/benchmarks.md, session 60)."""
+    a server delivered about 10 % more seeds per CPU-second (7-17 % over four alternated
+    pairs; docs/benchmarks.md, session 60)."""
     if node_order not in NODE_ORDERS:
         raise PartitionError(f"node_order={node_order!r}: choose one of {', '.join(NODE_ORDERS)}")
     if node_order == "id":
