@@ -389,7 +389,10 @@ def test_worker_mode_reads_a_two_part_set_in_place(cora_two_parts, tmp_path):
     # itself is checked in test_decision_names_why_and_maps_the_servers_set)
     cached = auto["local_features"].pop("page_cache")
     assert cached["done"] and cached["files"] == 2 and "error" not in cached, (cold, cached)
-    assert [resident_fraction(f) for f in feats] == [1.0, 1.0]
+    # read in (cold was the evicted state); not all of it need still be resident: a VM's
+    # reclaim (DAMON's pageout here) may drop some idle pages while the second run goes on
+    # (one CI run read 0.991 for part 1)
+    assert all(resident_fraction(f) > 0.5 for f in feats), (cold, cached)
     assert auto["num_parts"] == 2 and auto["local_features"] == {
         "mode": "auto", "used": True, "parts": 2, "joined": True}, auto["local_features"]
     assert auto["shm_ring"] is None and off["shm_ring"]["replies_in_ring"] > 0
