@@ -225,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mfgserve's --cpu-gemm: the library of its model's float32 products "
                         "on the CPU (worker mode, and mfgserve's side of the step module): "
                         "auto (default: oneDNN on an AMD Zen 5 or later, cpu family >= 26, "
-                        "with AVX-512, else MKL), mkl (torch's own, as DGL's side multiplies) or onednn. DGL's side always "
-                        "multiplies as its pipeline does (torch's nn.Linear: MKL)")
+                        "with AVX-512, else MKL), mkl (torch's own, as DGL's side multiplies) "
+                        "or onednn. DGL's side always multiplies as its pipeline does (torch's "
+                        "nn.Linear: MKL)")
     p.add_argument("--num-threads", type=_positive_int, default=None,
                    help="torch (and DGL) threads of each training process on both sides: the "
                         "DGL process / each DDP process, each worker-mode trainer, and the "

@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-gemm", choices=list(CPU_GEMMS), default="auto",
                    help="the trainer's --cpu-gemm for mfgserve's side: the library of its "
                         "float32 products (auto: oneDNN on an AMD Zen 5 or later, cpu "
-                        "family >= 26, with AVX-512, else MKL; docs/tuning.md). DGL's side multiplies through torch's "
-                        "nn.Linear (MKL) as its pipeline does")
+                        "family >= 26, with AVX-512, else MKL; docs/tuning.md). DGL's side "
+                        "multiplies through torch's nn.Linear (MKL) as its pipeline does")
     add_malloc_arg(p)
     return p
 

@@ -26,6 +26,8 @@ _MAG_FALLBACKS = {"feat_dim": 128, "num_classes": 16, "train_frac": 0.85, "valid
 DERIVE_FEATURES = ("none", "mean")
 METHODS = ("metis", "random", "fennel", "ldg")
 STREAM_ONLY_METHODS = ("fennel", "ldg")
+# --node-order (partition.partitioner.node_order_keys); the first is the default
+NODE_ORDERS = ("degree", "id")
 
 
 @dataclass
@@ -159,13 +161,13 @@ class PartitionConfig:
         "server-to-server request when they stay inside the halo; costs the halo's size (0: "
         "the first hop is always local)", metavar="K")
     node_order: str = opt(
-        "degree", "the order of each part's nodes (their global ids): 'degree' puts the nodes "
-        "with the most out-edges first (ties by original id; a typed graph's nodes stay "
+        NODE_ORDERS[0], "the order of each part's nodes (their global ids): 'degree' puts the "
+        "nodes with the most out-edges first (ties by original id; a typed graph's nodes stay "
         "grouped by type), so the few nodes that most mini-batches sample share pages and "
         "cache lines on a graph with skewed degrees (about 10 %% more seeds per sampler "
         "CPU-second on the benchmarks' RMAT graph; costs one more pass over the edges, and "
         "the streaming pipeline rewrites the feature files once); 'id' keeps the original "
-        "order", choices=["degree", "id"])
+        "order", choices=list(NODE_ORDERS))
     presample_batches: int = opt(
         16, "mini-batches of training seeds (fanouts 15,10,5, batch 1024) sampled to rank "
         "nodes by hotness for trainers' feature caches (hot_rank.npy); 0 skips it",

@@ -50,6 +50,7 @@ import numpy as np
 from tqdm import tqdm
 
 from partition import layout
+from partition.config import NODE_ORDERS
 from partition.graph_data import GraphData
 from partition.halo import halo_arrays
 from partition.hotness import presample_hotness, rank_within_parts
@@ -218,7 +219,7 @@ def partition_graph(
     presample_batches: int = 16,
     presample_fanouts: tuple[int, ...] = (15, 10, 5),
     presample_batch_size: int = 1024,
-    node_order: str = "degree",
+    node_order: str = NODE_ORDERS[0],
 ) -> PartitionSetMeta:
     """Partition ``data`` into ``num_parts`` parts written under ``out``; return the metadata.
 
@@ -244,7 +245,7 @@ def partition_graph(
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if not isinstance(halo_hops, (int, np.integer)) or not 0 <= halo_hops <= 3:
         raise PartitionError(f"halo_hops={halo_hops} must be 0, 1, 2 or 3")
-    node_order_keys(node_order, np.zeros(0, dtype=np.int64))  # the name, checked first
+    check_node_order(node_order)
     data.validate()
     n, num_parts = int(data.num_nodes), int(num_parts)
     if num_parts > n:
@@ -267,7 +268,11 @@ def _checked_assignment(data: GraphData, num_parts: int, method: str, seed: int)
     return parts
 
 
-NODE_ORDERS = ("degree", "id")  # partition-ogbn --node-order; the first is the default
+def check_node_order(node_order: str) -> None:
+    """Refuse a ``node_order`` that is not one of :data:`NODE_ORDERS`, naming them."""
+    if node_order not in NODE_ORDERS:
+        raise PartitionError(f"node_order={node_order!r}: choose one of "
+                             f"{', '.join(NODE_ORDERS)}")
 
 
 def node_order_keys(node_order: str, out_degree: np.ndarray | None,
@@ -284,8 +289,7 @@ def node_order_keys(node_order: str, out_degree: np.ndarray | None,
     per-node state share pages and cache lines; on the benchmarks' RMAT graph (random ids)
     a server delivered about 10 % more seeds per CPU-second (7-17 % over four alternated
     pairs; docs/benchmarks.md, session 60)."""
-    if node_order not in NODE_ORDERS:
-        raise PartitionError(f"node_order={node_order!r}: choose one of {', '.join(NODE_ORDERS)}")
+    check_node_order(node_order)
     if node_order == "id":
         return []
     if out_degree is None:
@@ -454,7 +458,7 @@ def _type_stats(data: GraphData, new_to_orig: np.ndarray, offsets: np.ndarray) -
 
 def _write_set(data: GraphData, num_parts: int, out: Path, shown: Path, method: str, seed: int,
                progress: bool, halo_hops: int, presample: tuple, t0: float,
-               node_order: str = "degree") -> PartitionSetMeta:
+               node_order: str = NODE_ORDERS[0]) -> PartitionSetMeta:
     """Steps 1-3 of the module docstring, into the (new, empty) directory ``out``; ``shown``
     is the ``out`` the user asked for, ``presample`` (batches, fanouts, batch size)."""
     n, e = int(data.num_nodes), data.num_edges

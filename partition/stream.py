@@ -65,6 +65,7 @@ from partition.partitioner import (
     _random_assign,
     _relabel_nodes,
     _stats,
+    check_node_order,
     node_order_keys,
 )
 
@@ -217,7 +218,7 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
                      presample_fanouts: tuple[int, ...] = (15, 10, 5),
                      presample_batch_size: int = 1024,
                      sort_bytes: int | None = None,
-                     node_order: str = "degree") -> PartitionSetMeta:
+                     node_order: str = NODE_ORDERS[0]) -> PartitionSetMeta:
     """Partition ``source`` (a ``RawSource`` or :class:`GraphSource`) into ``num_parts``
     parts under ``out`` with bounded memory (module docstring); return the metadata.
     ``halo_hops`` (0-3) adds halos as :func:`partition.partitioner.partition_graph` does.
@@ -247,8 +248,7 @@ def partition_stream(source, num_parts: int, out: str | os.PathLike, method: str
         raise PartitionError(f"halo_hops={halo_hops} must be 0, 1, 2 or 3")
     if not isinstance(passes, (int, np.integer)) or passes < 1:
         raise PartitionError(f"passes={passes} must be >= 1")
-    if node_order not in NODE_ORDERS:
-        raise PartitionError(f"node_order={node_order!r}: choose one of {', '.join(NODE_ORDERS)}")
+    check_node_order(node_order)
     n, k = int(source.num_nodes), int(num_parts)
     if k > n:
         raise PartitionError(f"num_parts={k} exceeds the {n} nodes of {source.name}")

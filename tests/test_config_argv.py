@@ -83,8 +83,8 @@ NODE = dict(host="10.0.0.3", replicas=2, startup_timeout_s=30.5, shutdown_timeou
             server=_unset(SERVER, "part_id", "bind", "cluster", "ready_file",
                           "shutdown_token_file"))
 PARTITION = dict(root="/r", num_parts=3, method="random", halo_hops=2, presample_batches=0,
-                 node_order="id", out="/o", force=True, seed=5, add_reverse_edges=True, work_dir="/w",
-                 no_progress=True)
+                 node_order="id", out="/o", force=True, seed=5, add_reverse_edges=True,
+                 work_dir="/w", no_progress=True)
 
 # every config dataclass: (its CLI's parser module, instances that together set every field)
 CASES = {

@@ -511,7 +511,8 @@ def test_cli_cora(cora, cora_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert _last_json(r.stdout)["node_order"] == "id"
     check_partition_set(cora, by_id)  # by original id within each part
-    bad = _cli("--dataset-dir", str(cora_dir), "--node-order", "hot", "--out", str(tmp_path / "b"))
+    bad = _cli("--dataset-dir", str(cora_dir), "--node-order", "hot",
+               "--out", str(tmp_path / "b"))
     assert bad.returncode == 2 and "--node-order" in bad.stderr and "degree" in bad.stderr
 
 

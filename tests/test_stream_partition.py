@@ -94,7 +94,8 @@ def test_reorder_rows_by_chunks(tmp_path, rows):
     any size (the last one short); the temporary file is gone afterwards."""
     orig = np.array([40, 3, 17, 8, 99, 5, 23, 61, 12, 2, 77])  # new id j -> original id
     by_id = np.sort(orig)
-    feat = np.repeat(by_id[:, None], 3, axis=1).astype(np.float16) + np.arange(3, dtype=np.float16)
+    feat = (np.repeat(by_id[:, None], 3, axis=1).astype(np.float16)
+            + np.arange(3, dtype=np.float16))
     np.save(tmp_path / "feat-0.npy", feat)
     _reorder_rows(tmp_path / "feat-0.npy", tmp_path / "feat.npy", orig, rows)
     out = np.load(tmp_path / "feat.npy")
